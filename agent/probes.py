@@ -1,0 +1,271 @@
+"""Load, attach, poll and unload the BPF programs in bpf/http.c.
+
+Which programs load is decided here, before compiling: a required tracepoint that is missing is
+a start-up error naming it; a missing optional one drops its signal (and its -D define), is
+reported once and counted in self-metrics (`probe_mode`), and the rest runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from agent.decode import CNT_MAX, KERNEL_COUNTERS
+from agent.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+TRACEFS_CANDIDATES = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+
+# Tracepoints the HTTP pipeline cannot run without.
+REQUIRED_TRACEPOINTS: tuple[str, ...] = (
+    *(f"syscalls:sys_{d}_{c}" for c in ("read", "readv", "recvfrom", "recvmsg", "write",
+                                         "writev", "sendto", "sendmsg", "sendfile64")
+      for d in ("enter", "exit")),
+    "sock:sock_recv_length",
+    "sock:sock_send_length",
+    "sock:inet_sock_set_state",
+    "tcp:tcp_destroy_sock",
+)
+
+
+@dataclass(frozen=True)
+class OptionalSignal:
+    name: str  # as shown by doctor and in the probe_mode metric
+    define: str  # -D flag that compiles its programs in
+    tracepoints: tuple[str, ...]
+    what: str
+
+
+OPTIONAL_SIGNALS: tuple[OptionalSignal, ...] = (
+    OptionalSignal("recvq", "WITH_RECVQ", ("sock:sk_data_ready",), "TCP receive-queue wait"),
+    OptionalSignal("tcp_stats", "WITH_TCPSTATS", ("tcp:tcp_retransmit_skb", "tcp:tcp_probe"),
+                   "retransmissions and smoothed RTT"),
+    OptionalSignal("sched", "WITH_SCHED",
+                   ("sched:sched_switch", "sched:sched_wakeup", "sched:sched_wakeup_new"),
+                   "run-queue delay and off-CPU time"),
+    OptionalSignal("tlb_flush", "WITH_TLB_FLUSH", ("tlb:tlb_flush",),
+                   "TLB flush counts (fallback when no PMU)"),
+)
+OPTIONAL_TRACEPOINTS: tuple[str, ...] = tuple(
+    tp for sig in OPTIONAL_SIGNALS for tp in sig.tracepoints
+)
+
+PROG_SCAN_REQ = 0
+PROG_SCAN_RESP = 1
+
+# perf_event_attr.config for PERF_TYPE_HW_CACHE: cache | (op << 8) | (result << 16)
+_HW_CACHE_DTLB, _HW_CACHE_ITLB, _OP_READ, _RESULT_MISS = 3, 4, 0, 1
+DTLB_READ_MISS = _HW_CACHE_DTLB | (_OP_READ << 8) | (_RESULT_MISS << 16)
+ITLB_READ_MISS = _HW_CACHE_ITLB | (_OP_READ << 8) | (_RESULT_MISS << 16)
+
+
+class ProbeError(RuntimeError):
+    """Start-up failure with a message that says what is missing and how to fix it."""
+
+
+def tracefs_root() -> Path | None:
+    for cand in TRACEFS_CANDIDATES:
+        if os.path.isdir(os.path.join(cand, "events")):
+            return Path(cand)
+    return None
+
+
+def tracepoint_exists(tp: str, disabled: frozenset[str] = frozenset()) -> bool:
+    if tp in disabled:
+        return False
+    root = tracefs_root()
+    if root is None:
+        return False
+    cat, name = tp.split(":", 1)
+    return (root / "events" / cat / name / "format").is_file()
+
+
+def bpf_source_dir() -> Path:
+    """bpf/ as installed with the package: found without relying on the current directory."""
+    return Path(str(resources.files("bpf")))
+
+
+@dataclass
+class ProbeConfig:
+    pids: tuple[int, ...] = ()
+    ports: tuple[int, ...] = ()
+    comm: str | None = None
+    runq_threshold_ns: int = 1_000_000
+    # Tracepoints to treat as absent (tests; or to switch a costly signal off).
+    disabled_tracepoints: frozenset[str] = frozenset()
+    tlb_hardware: bool | None = None  # None: use the PMU when it opens
+    page_faults: bool = True
+
+
+@dataclass
+class ProbeStatus:
+    signals: dict[str, str] = field(default_factory=dict)  # name -> "on" / "off: why"
+    tlb_mode: str = "off"  # "hardware", "flush_fallback", "off"
+    load_seconds: float = 0.0
+
+
+def _ncpus() -> int:
+    return os.cpu_count() or 1
+
+
+class HttpProbes:
+    """The kernel half of the pipeline. start() compiles and attaches; poll() delivers raw
+    records to `sink`; shutdown() detaches everything (idempotent, safe without start)."""
+
+    def __init__(self, config: ProbeConfig, metrics: Metrics,
+                 sink: Callable[[bytes], None]) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.sink = sink
+        self.status = ProbeStatus()
+        self._bpf: object | None = None
+        self._defines: list[str] = []
+
+    # -- build ---------------------------------------------------------------------------
+
+    def _plan(self) -> list[str]:
+        cfg = self.config
+        missing = [tp for tp in REQUIRED_TRACEPOINTS
+                   if not tracepoint_exists(tp, cfg.disabled_tracepoints)]
+        if tracefs_root() is None:
+            raise ProbeError("tracefs is not mounted: run `mount -t tracefs tracefs "
+                             "/sys/kernel/tracing` (or mount it into the container)")
+        if missing:
+            raise ProbeError(f"required tracepoint(s) missing: {', '.join(missing)}; "
+                             "this kernel cannot run tracejoin (see `tracejoin doctor`)")
+        defines = [f"-DNCPU={_ncpus()}", f"-DRUNQ_THRESHOLD_NS={int(cfg.runq_threshold_ns)}"]
+        for sig in OPTIONAL_SIGNALS:
+            absent = [tp for tp in sig.tracepoints
+                      if not tracepoint_exists(tp, cfg.disabled_tracepoints)]
+            if absent:
+                self.status.signals[sig.name] = f"off: tracepoint {', '.join(absent)} missing"
+            else:
+                self.status.signals[sig.name] = "on"
+                defines.append(f"-D{sig.define}")
+        if cfg.page_faults:
+            defines.append("-DWITH_FAULTS")
+        if cfg.pids:
+            defines.append("-DFILTER_PID")
+        if cfg.ports:
+            defines.append("-DFILTER_PORT")
+        if cfg.comm:
+            defines.append("-DFILTER_COMM")
+        if cfg.tlb_hardware is not False and pmu_tlb_available():
+            defines.append("-DTLB_HW")
+        return defines
+
+    def render(self) -> tuple[str, list[str]]:
+        """The C source and flags exactly as compiled (for `tracejoin ebpf`)."""
+        defines = self._plan()
+        src_dir = bpf_source_dir()
+        return (src_dir / "http.c").read_text(), [f"-I{src_dir}", *defines]
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        try:
+            from bcc import BPF, PerfSWConfig, PerfType  # Debian's python3-bpfcc
+        except ImportError as exc:
+            raise ProbeError(f"cannot import bcc ({exc}): install python3-bpfcc and run "
+                             "`make setup`") from exc
+        t0 = time.monotonic()
+        src, cflags = self.render()
+        defines = [f for f in cflags if f.startswith("-D")]
+        try:
+            bpf = BPF(text=src.encode(), cflags=[*cflags, "-Wno-macro-redefined"])
+        except Exception as exc:
+            raise ProbeError(
+                f"BPF compile/load failed: {exc}. Kernel headers must exist at "
+                f"/lib/modules/{os.uname().release}/build (run `make setup`, or mount the "
+                "host's /lib/modules and /usr/src)") from exc
+        self._bpf = bpf
+        for name, idx in (("scan_req", PROG_SCAN_REQ), ("scan_resp", PROG_SCAN_RESP)):
+            fn = bpf.load_func(name.encode(), BPF.TRACEPOINT)
+            bpf[b"progs"][ctypes.c_int(idx)] = ctypes.c_int(fn.fd)
+        self._fill_filters(bpf)
+        if "-DWITH_FAULTS" in defines:
+            try:
+                bpf.attach_perf_event(ev_type=PerfType.SOFTWARE,
+                                      ev_config=PerfSWConfig.PAGE_FAULTS_MIN,
+                                      fn_name=b"on_minflt", sample_period=1)
+                bpf.attach_perf_event(ev_type=PerfType.SOFTWARE,
+                                      ev_config=PerfSWConfig.PAGE_FAULTS_MAJ,
+                                      fn_name=b"on_majflt", sample_period=1)
+                self.status.signals["page_faults"] = "on"
+            except Exception as exc:
+                self.status.signals["page_faults"] = f"off: software perf events: {exc}"
+        else:
+            self.status.signals["page_faults"] = "off: disabled by configuration"
+        if "-DTLB_HW" in defines:
+            bpf[b"dtlb"].open_perf_event(PerfType.HW_CACHE, DTLB_READ_MISS)
+            bpf[b"itlb"].open_perf_event(PerfType.HW_CACHE, ITLB_READ_MISS)
+            self.status.tlb_mode = "hardware"
+        elif self.status.signals.get("tlb_flush") == "on":
+            self.status.tlb_mode = "flush_fallback"
+        bpf[b"events"].open_ring_buffer(self._on_record)
+        self.status.load_seconds = time.monotonic() - t0
+        for name, state in self.status.signals.items():
+            self.metrics.set("probe_mode", 1 if state == "on" else 0, signal=name)
+            if state != "on":
+                log.warning("signal %s is %s", name, state)
+        self.metrics.set("probe_mode", 1, signal=f"tlb_{self.status.tlb_mode}")
+
+    def _fill_filters(self, bpf: object) -> None:
+        cfg = self.config
+        one = ctypes.c_uint8(1)
+        for pid in cfg.pids:
+            bpf[b"filter_pid"][ctypes.c_uint32(pid)] = one  # type: ignore[index]
+        for port in cfg.ports:
+            bpf[b"filter_port"][ctypes.c_uint16(port)] = one  # type: ignore[index]
+        if cfg.comm:
+            table = bpf[b"filter_comm"]  # type: ignore[index]
+            leaf = table.Leaf()
+            raw = cfg.comm.encode()[:15]
+            ctypes.memmove(ctypes.addressof(leaf), raw, len(raw))
+            table[ctypes.c_int(0)] = leaf
+
+    def _on_record(self, _ctx: object, data: int, size: int) -> None:
+        self.sink(ctypes.string_at(data, size))
+
+    def poll(self, timeout_ms: int = 100) -> None:
+        if self._bpf is not None:
+            self._bpf.ring_buffer_poll(timeout_ms)  # type: ignore[attr-defined]
+
+    def kernel_counters(self) -> dict[str, int]:
+        """Per-CPU kernel counters summed (see CNT_* in bpf/http_record.h)."""
+        if self._bpf is None:
+            return {}
+        table = self._bpf[b"counters"]  # type: ignore[index]
+        out = {}
+        for idx, name in KERNEL_COUNTERS.items():
+            if idx < CNT_MAX:
+                out[name] = int(sum(table[ctypes.c_int(idx)]))
+        return out
+
+    def map_sizes(self) -> dict[str, int]:
+        """Live entries in the per-connection maps (for bound checks)."""
+        if self._bpf is None:
+            return {}
+        return {name: sum(1 for _ in self._bpf[name.encode()].keys())  # type: ignore[index]
+                for name in ("conns", "reqs", "threads")}
+
+    def shutdown(self) -> None:
+        bpf, self._bpf = self._bpf, None
+        if bpf is not None:
+            bpf.cleanup()  # type: ignore[attr-defined]
+
+
+def pmu_tlb_available() -> bool:
+    """Whether a hardware dTLB-load-miss counter opens (false in most VMs)."""
+    try:
+        from agent.doctor import perf_event_open_check  # shared with the doctor
+    except ImportError:
+        return False
+    return perf_event_open_check("hw_cache", DTLB_READ_MISS) is None

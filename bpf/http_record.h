@@ -1,0 +1,86 @@
+/* The C <-> Python contract for HTTP request records. agent/decode.py mirrors this struct with
+ * ctypes and tests/test_decode.py checks size and every offset against the compiled layout, so
+ * change both together. All padding is explicit; no field relies on compiler packing.
+ */
+#ifndef TRACEJOIN_HTTP_RECORD_H
+#define TRACEJOIN_HTTP_RECORD_H
+
+#define REC_HTTP 1            /* byte 0 of every ring-buffer record is its type */
+
+#define HTTP_METHOD_MAX 8
+#define HTTP_PATH_MAX 96      /* path without query string, truncated (REQF_PATH_TRUNC) */
+#define TP_CAP 56             /* the 55-byte version-00 traceparent value + the byte after it */
+#define RUNQ_SLOTS 4          /* longest run-queue waits kept per request */
+
+/* record flags */
+#define REQF_TP_WINDOW     0x0001 /* headers ran past the scan window before their end */
+#define REQF_HDR_DONE      0x0002 /* the end of the request headers was seen */
+#define REQF_NO_RESPONSE   0x0004 /* connection ended before any response byte */
+#define REQF_RESP_UNTERM   0x0008 /* response end not framed (close-delimited or unparsed) */
+#define REQF_PATH_TRUNC    0x0010
+#define REQF_TP_SPLIT      0x0020 /* the traceparent value spanned reads (still exact) */
+#define REQF_TUPLE         0x0040 /* laddr/raddr/ports are known */
+#define REQF_FIRST_ON_CONN 0x0080 /* first request seen on this connection: accept wait valid */
+#define REQF_TLB_HW        0x0100 /* tlb_* are hardware dTLB/iTLB load misses */
+#define REQF_RESP_TRUNC    0x0200 /* a later request or close cut the response short */
+
+struct runq_wait {
+    __u64 start_ns;
+    __u64 dur_ns;
+};
+
+struct http_record {
+    __u8  type;            /* REC_HTTP */
+    __u8  family;          /* AF_INET / AF_INET6; 0 when the tuple is unknown */
+    __u8  method_len;
+    __u8  path_len;
+    __u16 flags;           /* REQF_* */
+    __u16 status;          /* response status code; 0 when none was seen */
+    __u16 lport;           /* server (local) port, host order */
+    __u16 rport;           /* client port */
+    __u16 tp_len;          /* traceparent value length without trailing OWS (saturating) */
+    __u8  tp_count;        /* traceparent headers seen (saturating at 255) */
+    __u8  _pad0;
+    __u32 pid;             /* process (tgid) that read the request */
+    __u32 tid;             /* thread that read the request */
+    __u32 fd;              /* fd of the read, to resolve a pre-existing connection's tuple */
+    __u32 _pad1;
+    __u64 conn_id;         /* opaque, per-connection; never a kernel address */
+    __u64 seq;             /* request number on this connection, from 0 */
+    __u64 arrival_ns;      /* first request byte queued on the socket (CLOCK_MONOTONIC); 0 unknown */
+    __u64 read_ns;         /* first read of the request */
+    __u64 resp_start_ns;   /* first response byte written; 0 none */
+    __u64 end_ns;          /* last response byte written (or the close that ended it) */
+    __u64 est_ns;          /* handshake completed (first request on a connection only) */
+    __u64 req_bytes;
+    __u64 resp_bytes;
+    __u8  laddr[16];       /* IPv4 in the first 4 bytes */
+    __u8  raddr[16];
+    char  method[HTTP_METHOD_MAX];
+    char  path[HTTP_PATH_MAX];
+    char  tp[TP_CAP];
+    /* --- kernel enrichment, deltas over the request on the reading thread --- */
+    __u64 runq_ns;         /* runnable but waiting for a CPU */
+    __u64 runq_max_ns;     /* longest single such wait */
+    __u64 offcpu_ns;       /* blocked (sleeping) off-CPU */
+    __u64 tlb_a;           /* REQF_TLB_HW: dTLB load misses; else tlb:tlb_flush events */
+    __u64 tlb_b;           /* REQF_TLB_HW: iTLB load misses; else full (all-page) flushes */
+    __u32 minflt;
+    __u32 majflt;
+    __u32 nr_switches;     /* involuntary + voluntary switches of the thread */
+    __u32 retrans;         /* TCP retransmissions on the connection during the request */
+    __u32 srtt_us;         /* last smoothed RTT seen on the connection (tcp:tcp_probe); 0 none */
+    __u32 _pad2;
+    struct runq_wait runq[RUNQ_SLOTS];
+};
+
+/* Per-CPU counters in the `counters` array map, by index. */
+#define CNT_RECORDS_SUBMITTED 0 /* records the kernel tried to emit */
+#define CNT_RINGBUF_FULL      1 /* ... of which the ring buffer had no room for */
+#define CNT_SLOTS_FULL        2 /* requests not tracked: too many pipelined on one connection */
+#define CNT_NON_HTTP          3 /* first reads on a connection that were not HTTP/1.x */
+#define CNT_REQ_STATE_LOST    4 /* request state evicted from the LRU before its response */
+#define CNT_READ_NO_COPY      5 /* bpf_probe_read_user failed on a request buffer */
+#define CNT_MAX               8
+
+#endif
