@@ -1,0 +1,227 @@
+"""The `tracejoin` command: doctor, capture, run, report, ebpf."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from agent import __version__
+from agent.config import ConfigError, Settings, apply_options, load_file
+from agent.metrics import Metrics
+from agent.probes import OPTIONAL_TRACEPOINTS, ProbeConfig, ProbeError
+
+log = logging.getLogger("tracejoin")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="tracejoin")
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+def main(verbose: bool) -> None:
+    """tracejoin: what the kernel and the GPU did to each HTTP request, as a span in the
+    caller's trace.
+
+    \b
+    tracejoin doctor     what this host supports, and how to fix what it lacks
+    tracejoin capture    a one-off capture: live view, summary and files to keep
+    tracejoin run        the agent (a DaemonSet): export until SIGTERM
+    tracejoin report     the capture summary again, from saved files
+    """
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+
+
+# ------------------------------------------------------------------------------- doctor
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--disable-tracepoint", multiple=True, envvar="TRACEJOIN_DISABLE_TRACEPOINTS",
+              help="Treat this tracepoint as absent (repeatable).")
+def doctor(as_json: bool, disable_tracepoint: tuple[str, ...]) -> None:
+    """Check every signal tracejoin offers: available, fallback (which), or unavailable (why,
+    and what would fix it). Exits 0 when the core pipeline can run."""
+    from agent.doctor import DoctorOptions, run_checks
+
+    report = run_checks(DoctorOptions(disabled_tracepoints=frozenset(disable_tracepoint)))
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        click.echo(report.format_text())
+    sys.exit(report.exit_code)
+
+
+# ------------------------------------------------------------------------------- shared
+
+
+def _probe_config(s: Settings) -> ProbeConfig:
+    unknown = [tp for tp in s.disable_tracepoint if tp not in OPTIONAL_TRACEPOINTS]
+    if unknown:
+        raise click.BadParameter(
+            f"{', '.join(unknown)} is not an optional tracepoint (choose from "
+            f"{', '.join(OPTIONAL_TRACEPOINTS)})", param_hint="--disable-tracepoint")
+    return ProbeConfig(
+        pids=s.pid, ports=s.port, comm=s.comm,
+        runq_threshold_ns=int(s.runq_threshold_ms * 1e6),
+        disabled_tracepoints=frozenset(s.disable_tracepoint),
+        tlb_hardware={"auto": None, "hardware": True, "flush": False}[s.tlb],
+    )
+
+
+def _otlp_destination(s: Settings, metrics: Metrics) -> Any | None:
+    """An OTLP queue when an endpoint is configured (flag or OTEL_* variables)."""
+    from exporters.config import exporter_from_env
+    from exporters.queue import BatchExportQueue
+
+    env = dict(os.environ)
+    if s.otlp_endpoint:
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = s.otlp_endpoint
+    if s.otlp_protocol:
+        env["OTEL_EXPORTER_OTLP_PROTOCOL"] = s.otlp_protocol
+    if not (env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+        return None
+    try:
+        exporter = exporter_from_env(env)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    return BatchExportQueue(exporter, metrics, max_queue_spans=s.queue_size, name="otlp")
+
+
+def _file_destination(path: Path, s: Settings, metrics: Metrics) -> Any:
+    from exporters.file_sender import JsonLinesFileExporter
+    from exporters.queue import BatchExportQueue
+
+    return BatchExportQueue(JsonLinesFileExporter(path), metrics, max_queue_spans=s.queue_size,
+                            name="file", flush_interval_s=0.5)
+
+
+def _builder_factory(s: Settings, metrics: Metrics, gpu_join: Any = None,
+                     resource_for_pid: Any = None) -> Any:
+    from agent.spans import SpanBuilder
+
+    def make(tlb_mode: str) -> SpanBuilder:
+        return SpanBuilder(metrics, service_name=s.service_name, no_parent=s.no_parent,
+                           unsampled=s.unsampled,
+                           runq_child_threshold_ns=int(s.runq_threshold_ms * 1e6),
+                           tlb_mode=tlb_mode, gpu_join=gpu_join,
+                           resource_for_pid=resource_for_pid)
+
+    return make
+
+
+def _require_root() -> None:
+    if os.geteuid() != 0:
+        from agent.doctor import missing_capabilities
+
+        missing = missing_capabilities()
+        if missing:
+            raise click.ClickException(
+                f"missing capabilities {', '.join(missing)}: run as root or grant them "
+                "(see docs/operations.md)")
+
+
+# ------------------------------------------------------------------------------- capture
+
+
+@main.command()
+@apply_options("capture")
+def capture(**params: Any) -> None:
+    """Capture HTTP requests on this host for a while, then print where the time went.
+
+    Spans are written to OUTPUT_DIR as OTLP-JSON (spans.otlp.jsonl) with the summary
+    (summary.txt) and loss counters (counters.json); with --otlp-endpoint they are also sent
+    there. Ctrl-C ends the capture early and still writes everything.
+    """
+    from agent.capture import run_capture
+
+    s = Settings.from_params(params)
+    _require_root()
+    sys.exit(run_capture(s, _probe_config(s)))
+
+
+# ------------------------------------------------------------------------------- run
+
+
+def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    if value:
+        ctx.default_map = load_file(Path(value), "run")
+    return value
+
+
+@main.command()
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
+              callback=_load_config, is_eager=True, expose_value=False,
+              envvar="TRACEJOIN_CONFIG",
+              help="YAML file of settings (keys as the flags, with underscores). "
+                   "Flags > environment > file > defaults. [env: TRACEJOIN_CONFIG]")
+@click.option("--spans-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              envvar="TRACEJOIN_SPANS_FILE",
+              help="Write OTLP-JSON lines here (the default destination when no OTLP "
+                   "endpoint is set). [env: TRACEJOIN_SPANS_FILE]")
+@apply_options("run")
+def run(spans_file: Path | None, **params: Any) -> None:
+    """Run the agent until SIGTERM/SIGINT: export one span per request, serve /healthz,
+    /readyz and /metrics, and on SIGTERM flush and detach within --shutdown-timeout."""
+    from agent.daemon import run_daemon
+
+    s = Settings.from_params(params)
+    _require_root()
+    sys.exit(run_daemon(s, _probe_config(s), spans_file))
+
+
+# ------------------------------------------------------------------------------- report
+
+
+@main.command()
+@click.argument("path", type=click.Path(exists=True, path_type=Path))
+def report(path: Path) -> None:
+    """Print a capture's summary again from its directory (or its spans.otlp.jsonl)."""
+    from agent.summary import load_report
+
+    try:
+        summary = load_report(path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise click.ClickException(f"cannot read {path}: {exc}") from exc
+    click.echo(summary.format())
+
+
+# ------------------------------------------------------------------------------- ebpf
+
+
+@main.command()
+@apply_options("capture")
+def ebpf(**params: Any) -> None:
+    """Print the BPF C and the compiler flags exactly as they would be loaded."""
+    from agent.probes import HttpProbes
+
+    s = Settings.from_params(params)
+    try:
+        src, flags = HttpProbes(_probe_config(s), Metrics(), lambda _b: None).render()
+    except ProbeError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"// cflags: {' '.join(flags)}")
+    click.echo(src)
+
+
+def install_signal_handlers(stop: threading.Event) -> None:
+    def handler(signum: int, _frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def elapsed_since(t0: float) -> float:
+    return time.monotonic() - t0
+
+
+__all__ = ["ConfigError", "main"]

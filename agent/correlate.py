@@ -1,0 +1,176 @@
+"""Join a decoded record to the world outside the kernel: wall-clock time, the caller's trace
+context, the connection's addresses and the serving process.
+
+Everything here is cached per pid / connection so the per-request cost stays in microseconds.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from agent import traceparent
+from agent.decode import REQF_TP_WINDOW, REQF_TUPLE, HttpRecord
+from agent.metrics import Metrics
+
+
+class KernelClock:
+    """bpf_ktime_get_ns() is CLOCK_MONOTONIC; spans need Unix time. The offset between the two
+    clocks is re-read every `refresh_s` so NTP slewing cannot accumulate into the spans."""
+
+    def __init__(self, refresh_s: float = 10.0) -> None:
+        self._refresh_ns = int(refresh_s * 1e9)
+        self._offset = 0
+        self._taken_at = -self._refresh_ns
+        self.refresh()
+
+    def refresh(self) -> None:
+        # Bracket the wall-clock read by two monotonic reads and take the midpoint.
+        m0 = time.monotonic_ns()
+        wall = time.time_ns()
+        m1 = time.monotonic_ns()
+        self._offset = wall - (m0 + m1) // 2
+        self._taken_at = m1
+
+    def to_epoch_ns(self, mono_ns: int) -> int:
+        if mono_ns - self._taken_at > self._refresh_ns:
+            self.refresh()
+        return mono_ns + self._offset
+
+
+def trace_context(rec: HttpRecord) -> traceparent.TraceParent | str | None:
+    """The request's caller context, a rejection reason, or None when it sent none."""
+    if rec.tp_count == 0:
+        return traceparent.BEYOND_SCAN_WINDOW if rec.flags & REQF_TP_WINDOW else None
+    if rec.tp_count > 1:
+        return traceparent.DUPLICATE
+    return traceparent.parse(rec.traceparent_bytes(), total_len=rec.tp_len)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoints:
+    local_addr: str
+    local_port: int
+    peer_addr: str
+    peer_port: int
+
+
+def _addr(family: int, raw: bytes) -> str:
+    if family == socket.AF_INET:
+        return str(ipaddress.IPv4Address(raw[:4]))
+    addr = ipaddress.IPv6Address(raw[:16])
+    return str(addr.ipv4_mapped or addr)
+
+
+class ConnectionTable:
+    """4-tuples for records whose connection predates the probes (no REQF_TUPLE): resolved once
+    per connection from /proc/<pid>/fd/<fd> -> socket inode -> /proc/<pid>/net/tcp{,6}."""
+
+    def __init__(self, max_entries: int = 65536) -> None:
+        self._cache: dict[int, Endpoints | None] = {}
+        self._max = max_entries
+        self._lock = threading.Lock()
+
+    def endpoints(self, rec: HttpRecord) -> Endpoints | None:
+        if rec.flags & REQF_TUPLE:
+            return Endpoints(_addr(rec.family, bytes(rec.laddr)), rec.lport,
+                             _addr(rec.family, bytes(rec.raddr)), rec.rport)
+        with self._lock:
+            if rec.conn_id in self._cache:
+                return self._cache[rec.conn_id]
+        found = resolve_from_proc(rec.pid, rec.fd)
+        with self._lock:
+            if len(self._cache) >= self._max:
+                self._cache.clear()
+            self._cache[rec.conn_id] = found
+        return found
+
+
+def resolve_from_proc(pid: int, fd: int) -> Endpoints | None:
+    try:
+        link = os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return None
+    if not link.startswith("socket:["):
+        return None
+    inode = link[8:-1]
+    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        try:
+            with open(f"/proc/{pid}/net/{name}") as fh:
+                next(fh)
+                for line in fh:
+                    cols = line.split()
+                    if len(cols) > 9 and cols[9] == inode:
+                        lhost, lport = _proc_addr(cols[1], family)
+                        rhost, rport = _proc_addr(cols[2], family)
+                        return Endpoints(lhost, lport, rhost, rport)
+        except OSError:
+            continue
+    return None
+
+
+def _proc_addr(field: str, family: int) -> tuple[str, int]:
+    host_hex, port_hex = field.split(":")
+    raw = bytes.fromhex(host_hex)
+    # /proc/net/tcp prints each 32-bit word in host (little-endian) order.
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return _addr(family, raw), int(port_hex, 16)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessInfo:
+    pid: int
+    name: str  # comm
+    executable: str  # basename of /proc/pid/exe, or comm
+    command_line: str
+
+
+class ProcessTable:
+    """Process names for the resource, cached per pid (pids can be reused: the cache is
+    bounded and entries expire)."""
+
+    def __init__(self, ttl_s: float = 30.0, max_entries: int = 4096) -> None:
+        self._ttl = ttl_s
+        self._max = max_entries
+        self._cache: dict[int, tuple[float, ProcessInfo]] = {}
+
+    def get(self, pid: int) -> ProcessInfo:
+        now = time.monotonic()
+        hit = self._cache.get(pid)
+        if hit and now - hit[0] < self._ttl:
+            return hit[1]
+        info = read_process(pid)
+        if len(self._cache) >= self._max:
+            self._cache.clear()
+        self._cache[pid] = (now, info)
+        return info
+
+
+def read_process(pid: int) -> ProcessInfo:
+    try:
+        with open(f"/proc/{pid}/comm") as fh:
+            comm = fh.read().strip()
+    except OSError:
+        comm = f"pid-{pid}"
+    try:
+        exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+    except OSError:
+        exe = comm
+    return ProcessInfo(pid, comm, exe, "")
+
+
+def sampling_decision(ctx: traceparent.TraceParent | str | None, metrics: Metrics,
+                      no_parent: str, unsampled: str) -> str:
+    """'child', 'root' or 'drop' for one request, counting rejections by reason."""
+    if isinstance(ctx, traceparent.TraceParent):
+        if ctx.sampled or unsampled == "record":
+            return "child"
+        metrics.inc("requests_unsampled")
+        return "drop"
+    if isinstance(ctx, str):
+        metrics.inc("traceparent_rejected", reason=ctx)
+    return "root" if no_parent == "root" else "drop"

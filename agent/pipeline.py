@@ -1,0 +1,134 @@
+"""Wire the stages together: probes -> decode -> correlate/spans -> exporters.
+
+One reader thread polls the ring buffer and builds spans; exporters run behind bounded queues on
+their own threads, so a slow or dead destination never stalls reading from the kernel. Start
+runs source-last; shutdown runs in reverse (stop the source, drain, flush exporters).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from agent.decode import HttpRecord, RecordDecoder
+from agent.metrics import Metrics
+from agent.model import Span
+from agent.probes import HttpProbes, ProbeConfig
+from agent.spans import SpanBuilder
+
+log = logging.getLogger(__name__)
+
+
+class Destination(Protocol):
+    def start(self) -> None: ...
+    def submit(self, span: Span) -> bool: ...
+    def shutdown(self, timeout_s: float = ...) -> None: ...
+
+
+class Pipeline:
+    def __init__(
+        self,
+        probe_config: ProbeConfig,
+        builder_factory: Callable[[str], SpanBuilder],
+        destinations: Sequence[Destination],
+        metrics: Metrics,
+        on_spans: Callable[[list[Span], HttpRecord], None] | None = None,
+    ) -> None:
+        self.metrics = metrics
+        self.decoder = RecordDecoder(metrics)
+        self.probes = HttpProbes(probe_config, metrics, self._on_raw)
+        self._builder_factory = builder_factory
+        self.builder: SpanBuilder | None = None
+        self.destinations = list(destinations)
+        self.on_spans = on_spans
+        self._stop = threading.Event()
+        self._paused = threading.Event()
+        self._reader: threading.Thread | None = None
+        self.ready = threading.Event()
+        self._stopped = False
+        for name, text in (
+            ("records_received", "Records read from the kernel ring buffer."),
+            ("spans_built", "Spans built (server and child spans)."),
+            ("traceparent_rejected", "Requests whose traceparent broke the W3C rules, by reason."),
+            ("requests_unsampled", "Requests whose caller did not sample them (no span)."),
+            ("records_dropped_userspace", "Records read but not turned into spans, by reason."),
+        ):
+            metrics.describe(name, text)
+
+    def start(self) -> None:
+        for dest in self.destinations:
+            dest.start()
+        self.probes.start()
+        self.builder = self._builder_factory(self.probes.status.tlb_mode)
+        self._reader = threading.Thread(target=self._read_loop, name="tracejoin-reader",
+                                        daemon=True)
+        self._reader.start()
+        self.ready.set()
+
+    def _read_loop(self) -> None:
+        while not self._stop.is_set():
+            if self._paused.is_set():
+                time.sleep(0.05)
+                continue
+            try:
+                self.probes.poll(100)
+            except Exception:  # a bug here must not kill the agent: count and go on
+                log.exception("ring buffer poll failed")
+                self.metrics.inc("reader_errors")
+                time.sleep(0.1)
+
+    def pause_reading(self, paused: bool) -> None:
+        """Stop consuming the ring buffer (tests of loss accounting use this)."""
+        if paused:
+            self._paused.set()
+        else:
+            self._paused.clear()
+
+    def _on_raw(self, data: bytes) -> None:
+        self.metrics.inc("records_received")
+        rec = self.decoder.decode(data)
+        if not isinstance(rec, HttpRecord) or self.builder is None:
+            self.metrics.inc("records_dropped_userspace", reason="undecodable")
+            return
+        try:
+            spans = self.builder.build(rec)
+        except Exception:
+            log.exception("building a span failed")
+            self.metrics.inc("records_dropped_userspace", reason="build_error")
+            return
+        if not spans:
+            return
+        self.metrics.inc("spans_built", len(spans))
+        for dest in self.destinations:
+            for span in spans:
+                dest.submit(span)
+        if self.on_spans is not None:
+            self.on_spans(spans, rec)
+
+    def kernel_counters(self) -> dict[str, int]:
+        counters = self.probes.kernel_counters()
+        for name, value in counters.items():
+            self.metrics.set("kernel_" + name, value)
+        return counters
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Idempotent. Detach probes first so nothing new arrives, drain what the ring buffer
+        holds, then give exporters what is left of the deadline."""
+        if self._stopped:
+            return
+        self._stopped = True
+        deadline = time.monotonic() + timeout_s
+        self._stop.set()
+        if self._reader is not None:
+            self._reader.join(timeout=1.0)
+        try:
+            self.probes.poll(0)  # records already in the ring buffer
+            self.kernel_counters()
+        except Exception:
+            log.exception("final drain failed")
+        self.probes.shutdown()
+        for dest in self.destinations:
+            dest.shutdown(max(0.1, deadline - time.monotonic()))

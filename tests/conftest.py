@@ -1,0 +1,84 @@
+"""Shared fixtures: a real Jaeger (session), the privileged-test gate, a free-port helper.
+
+Tests import helpers from here or from tests/jaeger.py by module name (pytest puts tests/ on
+sys.path because it has no __init__.py): `from conftest import free_port`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from jaeger import Jaeger, JaegerError, find_binary, free_port, missing_binary_message
+
+__all__ = ["free_port", "privileged_missing"]
+
+TRACEFS = Path("/sys/kernel/tracing")
+
+
+def _mounted_fstype(mountpoint: Path) -> str | None:
+    """The filesystem type mounted at `mountpoint` (from /proc/self/mounts, readable by all)."""
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    fstype = None
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 3 and fields[1] == str(mountpoint):
+            fstype = fields[2]  # the last mount on a path is the visible one
+    return fstype
+
+
+def privileged_missing() -> str | None:
+    """Why real BPF cannot run here, naming each missing piece and its fix; None when it can."""
+    problems: list[str] = []
+    if os.geteuid() != 0:
+        problems.append(
+            f"not running as root (euid {os.geteuid()}): run the privileged tests as root, "
+            "e.g. `sudo make test`"
+        )
+    if _mounted_fstype(TRACEFS) != "tracefs":
+        problems.append(
+            f"tracefs is not mounted at {TRACEFS}: `mount -t tracefs tracefs {TRACEFS}` "
+            "(`make setup` does this)"
+        )
+    release = os.uname().release
+    build = Path(f"/lib/modules/{release}/build")
+    if not build.exists():
+        what = "is a dangling link" if build.is_symlink() else "is missing"
+        problems.append(
+            f"kernel headers: {build} {what}: install linux-headers-{release}, or run "
+            "`make setup` (links Debian's linux-headers-amd64, enough for tracepoint-only probes)"
+        )
+    return "; ".join(problems) or None
+
+
+@pytest.fixture
+def require_root() -> None:
+    """Skip (with the exact missing piece and its fix) unless real BPF can be loaded here."""
+    reason = privileged_missing()
+    if reason:
+        pytest.skip(f"privileged test needs: {reason}")
+
+
+@pytest.fixture(scope="session")
+def jaeger() -> Iterator[Jaeger]:
+    """A Jaeger v2 process with in-memory storage on free loopback ports, for the session.
+
+    A missing binary fails (not skips): CI always builds it with `make setup`.
+    """
+    binary = find_binary()
+    if binary is None:
+        pytest.fail(missing_binary_message(), pytrace=False)
+    instance = Jaeger(binary)
+    try:
+        instance.start()
+    except JaegerError as e:
+        pytest.fail(str(e), pytrace=False)
+    try:
+        yield instance
+    finally:
+        instance.stop()

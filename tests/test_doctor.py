@@ -1,0 +1,352 @@
+"""tracejoin doctor: the real host (as root), and the decision logic on a fake sysroot (no root).
+
+The real-host tests assert what these machines are documented to give (docs: DESIGN.md "What
+these machines give you"): every tracepoint, no hardware PMU, no kprobes, generic non-matching
+headers, no GPU. Where a host differs (a PMU, a GPU, matching headers) that assertion skips with
+the reason instead of failing.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import privileged_missing
+
+from agent.doctor import (
+    CAP_BPF,
+    CAP_PERFMON,
+    CAP_SYS_ADMIN,
+    CAP_SYS_RESOURCE,
+    CORE_SIGNAL,
+    OPTIONAL_SIGNALS,
+    OPTIONAL_TRACEPOINTS,
+    PERF_COUNT_HW_CACHE_DTLB,
+    PERF_COUNT_HW_CACHE_ITLB,
+    PERF_COUNT_HW_CACHE_OP_READ,
+    PERF_COUNT_HW_CACHE_RESULT_MISS,
+    PERF_TYPE_HW_CACHE,
+    REQUIRED_TRACEPOINTS,
+    TLB_FALLBACK,
+    TLB_SIGNAL,
+    Check,
+    DoctorOptions,
+    ProbeResult,
+    Report,
+    Signal,
+    Status,
+    _from_gpu_probe,
+    _privilege_gaps,
+    decode_caps,
+    headers_version,
+    hw_cache_config,
+    perf_event_open_check,
+    run_checks,
+)
+
+REPORT_KEYS = {"ok", "exit_code", "summary", "kernel", "signals", "checks", "duration_s"}
+CHECK_KEYS = {"name", "group", "status", "required", "detail", "fix", "notes", "data"}
+SIGNAL_KEYS = {"name", "status", "required", "detail", "sources", "fallback", "fix"}
+
+
+def check(report: Report, name: str) -> Check:
+    (c,) = [c for c in report.checks if c.name == name]
+    return c
+
+
+def signal(report: Report, name: str) -> Signal:
+    (s,) = [s for s in report.signals if s.name == name]
+    return s
+
+
+# --- the real host, as root ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_trial() -> ProbeResult:
+    """One real BPF trial load per module; the other real-host runs reuse its result."""
+    reason = privileged_missing()
+    if reason:
+        pytest.skip(f"privileged test needs: {reason}")
+    from agent.doctor import bpf_trial_load
+
+    return bpf_trial_load()
+
+
+@pytest.fixture(scope="module")
+def host(real_trial: ProbeResult) -> Report:
+    return run_checks(DoctorOptions(bpf_trial=lambda: real_trial))
+
+
+@pytest.mark.privileged
+def test_host_is_ready(host: Report) -> None:
+    assert host.exit_code == 0, host.format_text()
+    assert host.summary_line.startswith("ready")
+    assert host.format_text().splitlines()[0] == host.summary_line
+    assert signal(host, CORE_SIGNAL).status is Status.AVAILABLE
+
+
+@pytest.mark.privileged
+def test_host_trial_load_counts_calls(host: Report) -> None:
+    trial = check(host, "bpf trial load")
+    assert trial.status is Status.AVAILABLE, trial.detail
+    assert trial.required
+    assert trial.data["counted"] >= 1
+    assert trial.data["counted"] <= trial.data["calls"]  # filtered to this process
+
+
+@pytest.mark.privileged
+def test_host_has_every_tracepoint(host: Report) -> None:
+    tps = {c.data["tracepoint"]: c for c in host.checks if "tracepoint" in c.data}
+    assert set(tps) == set(REQUIRED_TRACEPOINTS) | set(OPTIONAL_TRACEPOINTS)
+    missing = [name for name, c in tps.items() if c.status is not Status.AVAILABLE]
+    assert not missing
+    assert all(tps[t].required for t in REQUIRED_TRACEPOINTS)
+    assert not any(tps[t].required for t in OPTIONAL_TRACEPOINTS)
+
+
+@pytest.mark.privileged
+def test_host_hardware_tlb_counters_fall_back(host: Report) -> None:
+    if Path("/sys/bus/event_source/devices/cpu").exists():
+        pytest.skip("this host has a hardware PMU (/sys/bus/event_source/devices/cpu)")
+    for name in ("hw dTLB-load-misses", "hw iTLB-load-misses"):
+        c = check(host, name)
+        assert c.status is Status.UNAVAILABLE
+        assert c.detail.startswith("no hardware PMU: E"), c.detail  # errno name follows
+        assert c.data["type"] == PERF_TYPE_HW_CACHE
+        assert c.fix
+    tlb = signal(host, TLB_SIGNAL)
+    assert tlb.status is Status.FALLBACK
+    assert tlb.fallback == TLB_FALLBACK
+    assert "tracejoin.tlb.flushes" in tlb.fallback and "not misses" in tlb.fallback
+    assert "no hardware PMU" in tlb.detail
+    assert "tlb:tlb_flush" in host.summary_line  # a degraded signal is named up front
+
+
+@pytest.mark.privileged
+def test_host_software_perf_events(host: Report) -> None:
+    assert check(host, "software perf events").status is Status.AVAILABLE
+    assert perf_event_open_check("software", 0) is None  # the helper agent.probes shares
+
+
+@pytest.mark.privileged
+def test_host_kprobes_reported_not_required(host: Report) -> None:
+    kp = check(host, "kprobes")
+    assert not kp.required
+    assert kp.data["needed"] is False
+    assert "not needed" in kp.detail
+    if not Path("/sys/bus/event_source/devices/kprobe").exists():
+        assert kp.status is Status.UNAVAILABLE
+    assert check(host, "uprobes").status is Status.AVAILABLE
+
+
+@pytest.mark.privileged
+def test_host_headers_present_but_not_matching(host: Report) -> None:
+    hdr = check(host, "kernel headers")
+    assert hdr.status is Status.AVAILABLE
+    if hdr.data["match"]:
+        pytest.skip(f"this host has matching headers ({hdr.data['version']})")
+    assert hdr.data["version"] and hdr.data["version"] != os.uname().release
+    assert "do not match" in hdr.detail and os.uname().release in hdr.detail
+    assert "tracepoint arguments" in hdr.detail
+    assert not hdr.required
+
+
+@pytest.mark.privileged
+def test_host_nvml_unavailable_without_gpu(host: Report) -> None:
+    if Path("/dev/nvidia0").exists():
+        pytest.skip("this host has an NVIDIA GPU (/dev/nvidia0)")
+    nvml = check(host, "nvml")
+    assert nvml.status is Status.UNAVAILABLE and not nvml.required
+    assert nvml.fix
+    gpu = signal(host, "GPU (NVML)")
+    assert gpu.status is Status.UNAVAILABLE
+    assert host.exit_code == 0  # a missing GPU only degrades
+
+
+@pytest.mark.privileged
+def test_host_disabled_required_tracepoint_blocks(real_trial: ProbeResult) -> None:
+    tp = "sock:sock_recv_length"
+    report = run_checks(DoctorOptions(disabled_tracepoints={tp}, bpf_trial=lambda: real_trial))
+    assert report.exit_code != 0
+    assert tp in report.summary_line
+    assert report.summary_line.startswith("NOT READY")
+    assert report.format_text().splitlines()[0] == report.summary_line
+    assert signal(report, CORE_SIGNAL).status is Status.UNAVAILABLE
+    assert [c.data["tracepoint"] for c in report.blocking] == [tp]
+
+
+@pytest.mark.privileged
+def test_host_disabled_optional_tracepoint_degrades(real_trial: ProbeResult) -> None:
+    tp = "sock:sk_data_ready"
+    report = run_checks(DoctorOptions(disabled_tracepoints={tp}, bpf_trial=lambda: real_trial))
+    assert report.exit_code == 0
+    lost = signal(report, OPTIONAL_SIGNALS[tp])
+    assert lost.status is Status.UNAVAILABLE
+    assert tp in lost.detail
+    assert lost in report.degraded
+    assert OPTIONAL_SIGNALS[tp] in report.summary_line
+
+
+@pytest.mark.privileged
+def test_host_json_has_stable_keys(host: Report) -> None:
+    doc = json.loads(json.dumps(host.to_json()))
+    assert set(doc) == REPORT_KEYS
+    assert doc["exit_code"] == host.exit_code and doc["summary"] == host.summary_line
+    assert set(doc["kernel"]) == {"release", "machine"}
+    assert doc["checks"] and all(set(c) == CHECK_KEYS for c in doc["checks"])
+    assert doc["signals"] and all(set(s) == SIGNAL_KEYS for s in doc["signals"])
+    statuses = {c["status"] for c in doc["checks"]} | {s["status"] for s in doc["signals"]}
+    assert statuses <= {"available", "fallback", "unavailable"}
+
+
+# --- pure logic: encodings and capability rules --------------------------------------------
+
+
+def test_hw_cache_config_encoding() -> None:
+    read, miss = PERF_COUNT_HW_CACHE_OP_READ, PERF_COUNT_HW_CACHE_RESULT_MISS
+    assert hw_cache_config(PERF_COUNT_HW_CACHE_DTLB, read, miss) == 0x10003
+    assert hw_cache_config(PERF_COUNT_HW_CACHE_ITLB, read, miss) == 0x10004
+
+
+def test_decode_caps() -> None:
+    caps = decode_caps("000001fffeffffff")  # this VM: everything but CAP_SYS_RESOURCE
+    assert {CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN} <= caps
+    assert CAP_SYS_RESOURCE not in caps
+    assert decode_caps("0000000000000000") == set()
+
+
+def test_privilege_rules() -> None:
+    missing, _ = _privilege_gaps({CAP_BPF, CAP_PERFMON}, 0, (6, 1))
+    assert missing == []
+    missing, _ = _privilege_gaps({CAP_SYS_ADMIN}, 0, (6, 1))  # SYS_ADMIN implies both
+    assert missing == []
+    missing, _ = _privilege_gaps({CAP_BPF}, 1000, (6, 1))
+    assert any("CAP_PERFMON" in m for m in missing)
+    assert any("CAP_DAC_READ_SEARCH" in m for m in missing)  # tracefs is root-only
+    missing, _ = _privilege_gaps({CAP_BPF, CAP_PERFMON}, 0, (5, 4))
+    assert any("CAP_SYS_ADMIN" in m for m in missing)
+    _, notes = _privilege_gaps({CAP_BPF, CAP_PERFMON}, 0, (6, 18))
+    assert any("CAP_SYS_RESOURCE" in n and "not needed" in n for n in notes)
+
+
+# --- decision logic on a fake sysroot ------------------------------------------------------
+
+RELEASE = "6.18.0-test"
+
+
+def _fake_host(root: Path, headers_for: str = "6.1.0-57-amd64") -> Path:
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/status").write_text(
+        "Name:\tpython\nUid:\t0\t0\t0\t0\nCapEff:\t000001fffeffffff\n"
+    )
+    events = root / "sys/kernel/tracing/events"
+    for tp in (*REQUIRED_TRACEPOINTS, *OPTIONAL_TRACEPOINTS):
+        d = events.joinpath(*tp.split(":"))
+        d.mkdir(parents=True)
+        (d / "format").write_text("name: x\n")
+    (root / "sys/bus/event_source/devices/uprobe").mkdir(parents=True)
+    hdr = root / f"usr/src/linux-headers-{headers_for}"
+    (hdr / "include/generated").mkdir(parents=True)
+    (hdr / "include/generated/utsrelease.h").write_text(f'#define UTS_RELEASE "{headers_for}"\n')
+    (root / f"lib/modules/{RELEASE}").mkdir(parents=True)
+    (root / f"lib/modules/{RELEASE}/build").symlink_to(hdr)
+    return root
+
+
+def _no_pmu(type_: int, config: int) -> tuple[int, int]:
+    return (-1, errno.ENOENT) if type_ == PERF_TYPE_HW_CACHE else (0, 0)
+
+
+def _opts(root: Path, **kw: object) -> DoctorOptions:
+    base: dict = {
+        "sysroot": root,
+        "release": RELEASE,
+        "perf_open": _no_pmu,
+        "bpf_trial": lambda: ProbeResult(True, "fake trial"),
+        "nvml_probe": lambda: ProbeResult(False, "no GPU (fake)", "install a GPU"),
+    }
+    base.update(kw)
+    return DoctorOptions(**base)
+
+
+def test_fake_host_ready_with_fallbacks(tmp_path: Path) -> None:
+    report = run_checks(_opts(_fake_host(tmp_path)))
+    assert report.exit_code == 0, report.format_text()
+    assert signal(report, TLB_SIGNAL).status is Status.FALLBACK
+    assert signal(report, "GPU (NVML)").status is Status.UNAVAILABLE
+    hdr = check(report, "kernel headers")
+    assert hdr.data["match"] is False and hdr.data["version"] == "6.1.0-57-amd64"
+
+
+def test_fake_host_missing_required_tracepoint(tmp_path: Path) -> None:
+    root = _fake_host(tmp_path)
+    (root / "sys/kernel/tracing/events/tcp/tcp_destroy_sock/format").unlink()
+    report = run_checks(_opts(root))
+    assert report.exit_code == 1
+    assert "tcp:tcp_destroy_sock" in report.summary_line
+    assert check(report, "tracepoint tcp:tcp_destroy_sock").fix
+
+
+def test_fake_host_without_tracefs(tmp_path: Path) -> None:
+    root = _fake_host(tmp_path)
+    (root / "sys/kernel/tracing/events").rename(root / "sys/kernel/tracing/gone")
+    report = run_checks(_opts(root))
+    assert report.exit_code == 1
+    assert report.summary_line.startswith("NOT READY: tracefs: not mounted")
+    assert "mount -t tracefs" in (check(report, "tracefs").fix or "")
+
+
+def test_fake_host_failed_trial_and_caps(tmp_path: Path) -> None:
+    root = _fake_host(tmp_path)
+    (root / "proc/self/status").write_text("Uid:\t1000\t1000\t1000\t1000\nCapEff:\t0\n")
+    failing = ProbeResult(False, "compile/load failed: fake", "run `make setup`")
+    report = run_checks(_opts(root, bpf_trial=lambda: failing))
+    assert report.exit_code == 1
+    assert "privileges: uid 1000 lacks CAP_BPF" in report.summary_line
+    assert "bpf trial load: compile/load failed" in report.summary_line
+
+
+def test_fake_host_pmu_present_and_matching_headers(tmp_path: Path) -> None:
+    root = _fake_host(tmp_path, headers_for=RELEASE)
+    report = run_checks(_opts(root, perf_open=lambda t, c: (0, 0)))
+    assert signal(report, TLB_SIGNAL).status is Status.AVAILABLE
+    assert signal(report, TLB_SIGNAL).fallback is None
+    assert check(report, "kernel headers").data["match"] is True
+    assert report.exit_code == 0
+
+
+def test_fake_host_probe_that_raises_is_reported(tmp_path: Path) -> None:
+    def broken() -> ProbeResult:
+        raise RuntimeError("driver exploded")
+
+    report = run_checks(_opts(_fake_host(tmp_path), nvml_probe=broken))
+    assert "driver exploded" in check(report, "nvml").detail
+    assert report.exit_code == 0
+
+
+def test_headers_version_from_directory_name(tmp_path: Path) -> None:
+    d = tmp_path / "linux-headers-6.1.0-9-amd64"
+    d.mkdir()
+    assert headers_version(d) == "6.1.0-9-amd64"
+
+
+def test_gpu_probe_status_is_adapted() -> None:
+    """probe_nvml()'s NvmlStatus fields (read by name) become the nvml check."""
+    gone = SimpleNamespace(available=False, reason="no libnvidia-ml", fix="install the driver")
+    r = _from_gpu_probe(gone)
+    assert (r.ok, r.detail, r.fix) == (False, "no libnvidia-ml", "install the driver")
+    gpu = SimpleNamespace(name="NVIDIA H200")
+    up = SimpleNamespace(available=True, driver_version="570.1", gpus=[gpu], notes=[])
+    r = _from_gpu_probe(up)
+    assert r.ok and r.detail == "driver 570.1, 1 GPU(s): NVIDIA H200"
+
+
+def test_default_required_tracepoints_match_probes() -> None:
+    """The doctor's defaults must not drift from what agent.probes attaches to."""
+    probes = pytest.importorskip("agent.probes")
+    assert set(REQUIRED_TRACEPOINTS) == set(probes.REQUIRED_TRACEPOINTS)
