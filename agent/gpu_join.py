@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
 
@@ -169,41 +169,44 @@ def overlaps(series: Series[V], start_ns: int, end_ns: int) -> list[tuple[int, i
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class Stats:
+class Stats(NamedTuple):
     avg: float  # weighted by overlap duration
     max: float
     covered_ns: int  # how much of the window the samples cover (0 for a zero-length window)
 
 
-def _stats(
-    values: Sequence[V],
-    ovl: list[tuple[int, int]],
-    get: Callable[[V], float | None],
-    zero_length: bool,
-) -> Stats | None:
-    total = 0.0
-    weight = 0
-    top = 0.0
-    for i, w in ovl:
-        v = get(values[i])
-        if v is None:
-            continue
-        top = v if weight == 0 else max(top, v)
-        total += v * w
-        weight += w
-    if weight == 0:
-        return None
-    return Stats(total / weight, top, 0 if zero_length else weight)
+class _Acc:
+    """Running overlap-weighted sum and maximum of one quantity."""
+
+    __slots__ = ("top", "total", "weight")
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.weight = 0
+        self.top = 0.0
+
+    def add(self, v: float, w: int) -> None:
+        if self.weight == 0 or v > self.top:
+            self.top = v
+        self.total += v * w
+        self.weight += w
+
+    def stats(self, zero_length: bool) -> Stats | None:
+        if self.weight == 0:
+            return None
+        return Stats(self.total / self.weight, self.top, 0 if zero_length else self.weight)
+
+    def avg(self) -> float | None:
+        return self.total / self.weight if self.weight else None
 
 
 def window_stats(series: Series[float], start_ns: int, end_ns: int) -> Stats | None:
     """Overlap-weighted average and maximum of a scalar series over a window (None: no samples)."""
-    return _stats(series.values, overlaps(series, start_ns, end_ns), _identity, end_ns == start_ns)
-
-
-def _identity(v: float) -> float:
-    return v
+    acc = _Acc()
+    values = series.values
+    for i, w in overlaps(series, start_ns, end_ns):
+        acc.add(values[i], w)
+    return acc.stats(end_ns == start_ns)
 
 
 class DeviceState(NamedTuple):
@@ -263,32 +266,35 @@ class DeviceHistory:
                 # Bounded: forget the process heard from least recently.
                 stale = min(self.process_sm, key=lambda p: self.process_sm[p].last_ns())
                 del self.process_sm[stale]
-            series = self.process_sm[pid] = Series(self.capacity, self.process_interval_ns)
+            # A quarter of the device capacity: joins look seconds back, not minutes, and there
+            # can be max_pids of these per device.
+            cap = max(1, self.capacity // 4)
+            series = self.process_sm[pid] = Series(cap, self.process_interval_ns)
         series.append(t_ns, sm_ratio)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DeviceWindow:
-    """One device's samples summarised over one span's window."""
+    """One device's samples summarised over one span's window. None: nothing sampled."""
 
     index: int
     uuid: str
     lost: bool
     coverage: float  # share of the window covered by kernel-active samples, 0..1
-    kernel_active: Stats | None
-    memory_busy: Stats | None
-    process_sm_util: Stats | None
-    process_memory_used_max: int | None
-    memory_used_max: int | None
-    memory_total: int | None
-    sm_clock_avg_mhz: float | None
-    power_avg_w: float | None
-    temperature_max_c: int | None
-    pcie_rx_avg_kbps: float | None
-    pcie_tx_avg_kbps: float | None
-    clock_event_reasons: int | None  # OR of every mask seen; None: never read
-    gpm_sm_util: Stats | None
-    gpm_dram_bw_util: Stats | None
+    kernel_active: Stats | None = None
+    memory_busy: Stats | None = None
+    process_sm_util: Stats | None = None
+    process_memory_used_max: int | None = None
+    memory_used_max: int | None = None
+    memory_total: int | None = None
+    sm_clock_avg_mhz: float | None = None
+    power_avg_w: float | None = None
+    temperature_max_c: int | None = None
+    pcie_rx_avg_kbps: float | None = None
+    pcie_tx_avg_kbps: float | None = None
+    clock_event_reasons: int | None = None  # OR of every mask seen
+    gpm_sm_util: Stats | None = None
+    gpm_dram_bw_util: Stats | None = None
 
 
 def process_on_device(h: DeviceHistory, pid: int, start_ns: int, end_ns: int) -> bool:
@@ -307,67 +313,65 @@ def process_on_device(h: DeviceHistory, pid: int, start_ns: int, end_ns: int) ->
     return series is not None and bool(overlaps(series, lo, end_ns))
 
 
-def join_device(h: DeviceHistory, pid: int, start_ns: int, end_ns: int) -> DeviceWindow | None:
+def join_device(
+    h: DeviceHistory, pid: int | None, start_ns: int, end_ns: int
+) -> DeviceWindow | None:
     """Summarise one device over [start_ns, end_ns] for process `pid`.
 
-    None when the process was not on this device (or the window is inverted). The caller holds
-    h.lock if a sampler may be appending concurrently.
+    None when the process was not on this device (or the window is inverted). pid None: the
+    device whatever ran on it, without per-process figures. The caller holds h.lock if a
+    sampler may be appending concurrently.
     """
-    if end_ns < start_ns or not process_on_device(h, pid, start_ns, end_ns):
+    if end_ns < start_ns:
+        return None
+    if pid is not None and not process_on_device(h, pid, start_ns, end_ns):
         return None
     zero = end_ns == start_ns
-    duration = end_ns - start_ns
-
     kernel = window_stats(h.kernel_active, start_ns, end_ns)
     coverage = 0.0
     if kernel is not None:
-        coverage = 1.0 if zero else min(1.0, kernel.covered_ns / duration)
+        coverage = 1.0 if zero else min(1.0, kernel.covered_ns / (end_ns - start_ns))
+    w = DeviceWindow(h.index, h.uuid, h.lost, coverage, kernel)
+    w.memory_busy = window_stats(h.memory_busy, start_ns, end_ns)
+    if pid is not None:
+        w.process_sm_util = _process_sm(h, pid, start_ns, end_ns)
 
-    st_ovl = overlaps(h.state, start_ns, end_ns)
+    # One pass over the tick samples (per request: keep it cheap).
+    clock, power, rx, tx, gpm_sm, gpm_dram = _Acc(), _Acc(), _Acc(), _Acc(), _Acc(), _Acc()
     states = h.state.values
-
-    def stat(get: Callable[[DeviceState], float | None]) -> Stats | None:
-        return _stats(states, st_ovl, get, zero)
-
-    def top(get: Callable[[DeviceState], int | None]) -> int | None:
-        seen = [v for v in (get(states[i]) for i, _ in st_ovl) if v is not None]
-        return max(seen) if seen else None
-
-    reasons: int | None = None
-    proc_mem: int | None = None
-    for i, _ in st_ovl:
+    for i, wt in overlaps(h.state, start_ns, end_ns):
         s = states[i]
+        if s.memory_used is not None:
+            w.memory_used_max = max(w.memory_used_max or 0, s.memory_used)
+        if s.memory_total is not None:
+            w.memory_total = max(w.memory_total or 0, s.memory_total)
+        if s.temperature_c is not None:
+            w.temperature_max_c = max(w.temperature_max_c or 0, s.temperature_c)
         if s.clock_event_reasons is not None:
-            reasons = (reasons or 0) | s.clock_event_reasons
-        if s.processes is not None:
+            w.clock_event_reasons = (w.clock_event_reasons or 0) | s.clock_event_reasons
+        if s.sm_clock_mhz is not None:
+            clock.add(s.sm_clock_mhz, wt)
+        if s.power_w is not None:
+            power.add(s.power_w, wt)
+        if s.pcie_rx_kbps is not None:
+            rx.add(s.pcie_rx_kbps, wt)
+        if s.pcie_tx_kbps is not None:
+            tx.add(s.pcie_tx_kbps, wt)
+        if s.gpm_sm_util is not None:
+            gpm_sm.add(s.gpm_sm_util, wt)
+        if s.gpm_dram_bw_util is not None:
+            gpm_dram.add(s.gpm_dram_bw_util, wt)
+        if pid is not None and s.processes is not None:
             used = s.processes.get(pid)
             if used is not None:
-                proc_mem = used if proc_mem is None else max(proc_mem, used)
-
-    sm_clock = stat(lambda s: s.sm_clock_mhz)
-    power = stat(lambda s: s.power_w)
-    rx = stat(lambda s: s.pcie_rx_kbps)
-    tx = stat(lambda s: s.pcie_tx_kbps)
-    return DeviceWindow(
-        index=h.index,
-        uuid=h.uuid,
-        lost=h.lost,
-        coverage=coverage,
-        kernel_active=kernel,
-        memory_busy=window_stats(h.memory_busy, start_ns, end_ns),
-        process_sm_util=_process_sm(h, pid, start_ns, end_ns),
-        process_memory_used_max=proc_mem,
-        memory_used_max=top(lambda s: s.memory_used),
-        memory_total=top(lambda s: s.memory_total),
-        sm_clock_avg_mhz=sm_clock.avg if sm_clock else None,
-        power_avg_w=power.avg if power else None,
-        temperature_max_c=top(lambda s: s.temperature_c),
-        pcie_rx_avg_kbps=rx.avg if rx else None,
-        pcie_tx_avg_kbps=tx.avg if tx else None,
-        clock_event_reasons=reasons,
-        gpm_sm_util=stat(lambda s: s.gpm_sm_util),
-        gpm_dram_bw_util=stat(lambda s: s.gpm_dram_bw_util),
-    )
+                w.process_memory_used_max = max(w.process_memory_used_max or 0, used)
+    w.sm_clock_avg_mhz = clock.avg()
+    w.power_avg_w = power.avg()
+    w.pcie_rx_avg_kbps = rx.avg()
+    w.pcie_tx_avg_kbps = tx.avg()
+    w.gpm_sm_util = gpm_sm.stats(zero)
+    w.gpm_dram_bw_util = gpm_dram.stats(zero)
+    return w
 
 
 def _process_sm(h: DeviceHistory, pid: int, start_ns: int, end_ns: int) -> Stats | None:
@@ -381,16 +385,12 @@ def _process_sm(h: DeviceHistory, pid: int, start_ns: int, end_ns: int) -> Stats
         return None
     zero = end_ns == start_ns
     series = h.process_sm.get(pid)
-    own = (
-        _stats(series.values, overlaps(series, start_ns, end_ns), _identity, zero)
-        if series
-        else None
-    )
-    if own is None:
-        return Stats(0.0, 0.0, 0 if zero else sum(w for _, w in polled))
+    own = window_stats(series, start_ns, end_ns) if series is not None else None
     if zero:
-        return own
+        return own or Stats(0.0, 0.0, 0)
     polled_ns = sum(w for _, w in polled)
+    if own is None:
+        return Stats(0.0, 0.0, polled_ns)
     weight = max(polled_ns, own.covered_ns)
     return Stats(own.avg * own.covered_ns / weight, own.max, weight)
 
@@ -405,6 +405,8 @@ def span_attributes(windows: Sequence[DeviceWindow]) -> dict[str, AttrValue]:
     """
     if not windows:
         return {}
+    if len(windows) == 1:
+        return _one_device(windows[0])
     ws = sorted(windows, key=lambda w: w.index)
     attrs: dict[str, AttrValue] = {
         DEVICE_COUNT: len(ws),
@@ -436,8 +438,49 @@ def span_attributes(windows: Sequence[DeviceWindow]) -> dict[str, AttrValue]:
         union = 0
         for m in masks:
             union |= m
-        attrs[CLOCK_EVENT_REASONS] = ",".join(clock_event_reason_names(union)) or "none"
+        attrs[CLOCK_EVENT_REASONS] = _reasons_text(union)
     return attrs
+
+
+def _one_device(w: DeviceWindow) -> dict[str, AttrValue]:
+    """span_attributes for the common case, one GPU, without the aggregation lists."""
+    attrs: dict[str, AttrValue] = {
+        DEVICE_COUNT: 1,
+        DEVICE_INDEX: str(w.index),
+        DEVICE_UUID: w.uuid,
+        WINDOW_COVERAGE: w.coverage,
+    }
+    if w.lost:
+        attrs[DEVICE_LOST] = True
+    for avg_key, max_key, st in (
+        (KERNEL_ACTIVE_AVG, KERNEL_ACTIVE_MAX, w.kernel_active),
+        (MEM_BUSY_AVG, MEM_BUSY_MAX, w.memory_busy),
+        (PROCESS_SM_UTIL_AVG, PROCESS_SM_UTIL_MAX, w.process_sm_util),
+        (GPM_SM_UTIL_AVG, GPM_SM_UTIL_MAX, w.gpm_sm_util),
+        (GPM_DRAM_BW_AVG, GPM_DRAM_BW_MAX, w.gpm_dram_bw_util),
+    ):
+        if st is not None:
+            attrs[avg_key] = st.avg
+            attrs[max_key] = st.max
+    for key, v in (
+        (PROCESS_MEMORY_USED_MAX, w.process_memory_used_max),
+        (MEMORY_USED_MAX, w.memory_used_max),
+        (MEMORY_TOTAL, w.memory_total),
+        (SM_CLOCK_AVG, w.sm_clock_avg_mhz),
+        (POWER_AVG, w.power_avg_w),
+        (TEMPERATURE_MAX, w.temperature_max_c),
+        (PCIE_RX_AVG, w.pcie_rx_avg_kbps),
+        (PCIE_TX_AVG, w.pcie_tx_avg_kbps),
+    ):
+        if v is not None:
+            attrs[key] = v
+    if w.clock_event_reasons is not None:
+        attrs[CLOCK_EVENT_REASONS] = _reasons_text(w.clock_event_reasons)
+    return attrs
+
+
+def _reasons_text(mask: int) -> str:
+    return ",".join(clock_event_reason_names(mask)) or "none"
 
 
 def _put_stats(

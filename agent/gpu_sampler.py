@@ -209,6 +209,7 @@ class GpuSampler:
         self._status = NvmlStatus(False, "not started", "call start()")
         self._initialised = False
         self._lifecycle = threading.Lock()
+        self._opened = False
         self._started = False
         self._closed = False
         self._stop = threading.Event()
@@ -225,8 +226,7 @@ class GpuSampler:
             if self._started or self._closed:
                 return self._status
             self._started = True
-            status = self._open()
-            self._m.set("gpu_nvml_available", 1 if status.available else 0)
+            status = self._open_once()
             if not status.available:
                 log.warning("GPU enrichment is off: %s. Fix: %s", status.reason, status.fix)
                 return status
@@ -237,6 +237,21 @@ class GpuSampler:
             self._thread.start()
             self._m.set("gpu_sampler_running", 1)
             return status
+
+    def open(self) -> NvmlStatus:
+        """Open NVML and the devices without starting the thread (probes, benchmarks, tests
+        driving sample_once by hand). Idempotent; shutdown() releases NVML."""
+        with self._lifecycle:
+            if self._closed:
+                return self._status
+            return self._open_once()
+
+    def _open_once(self) -> NvmlStatus:
+        if not self._opened:
+            self._opened = True
+            self._open()
+            self._m.set("gpu_nvml_available", 1 if self._status.available else 0)
+        return self._status
 
     def shutdown(self) -> None:
         """Stop the thread and release NVML. Idempotent; safe without start()."""
@@ -270,8 +285,10 @@ class GpuSampler:
 
     # ---- join ------------------------------------------------------------------------------
 
-    def join_windows(self, pid: int, start_ns: int, end_ns: int) -> list[DeviceWindow]:
-        """Per-device summaries for process `pid` over [start_ns, end_ns] (Unix epoch ns)."""
+    def join_windows(self, pid: int | None, start_ns: int, end_ns: int) -> list[DeviceWindow]:
+        """Per-device summaries for process `pid` over [start_ns, end_ns] (Unix epoch ns).
+
+        pid None: every device, device-wide figures only (no process attribution)."""
         out = []
         for d in self._devices:
             h = d.history
@@ -781,11 +798,10 @@ def probe_nvml(
     """
     sampler = GpuSampler(metrics, nvml=nvml, visible_devices=visible_devices)
     try:
-        status = sampler._open()
-        if status.available:
+        if sampler.open().available:
             sampler.sample_once()
     finally:
-        sampler._close_nvml()
+        sampler.shutdown()
     return sampler.status
 
 

@@ -49,6 +49,7 @@
 #define HDR_WINDOW 4096         /* request bytes scanned for headers, request line included */
 #define MAX_PENDING 8           /* requests open on one connection (pipelining) */
 #define CL_MAX (1ULL << 40)
+#define PREFIX_MAX 16           /* carried request-line bytes: a method, a space, a '/' */
 
 #define PROG_SCAN_REQ 0
 #define PROG_SCAN_RESP 1
@@ -89,6 +90,8 @@ struct conn {
     u8 rs_state;
     u8 rs_chunked;
     u8 rs_tail[5];              /* last bytes written while chunked: the terminator check */
+    u8 rq_plen;                 /* bytes of a request line carried over from earlier reads */
+    u8 rq_prefix[PREFIX_MAX];   /* (Go's net/http reads one byte ahead, for one) */
 };
 
 struct req_key {
@@ -554,28 +557,63 @@ static __always_inline int hdr_is(struct scratch *s, u32 i, const char *name, u3
     return BYTE(i + len) == ':';
 }
 
-/* Method at offset i followed by a space: returns the method's length, or 0. */
-static __always_inline u32 method_at(struct scratch *s, u32 i)
+/* Byte k of the data at a request boundary: bytes carried from earlier reads come first. */
+static __always_inline u8 peek(struct scratch *s, struct conn *c, u32 k)
 {
-    if (i + 4 > s->n)
-        return 0;
-    u8 a = BYTE(i), b = BYTE(i + 1), c = BYTE(i + 2), d = BYTE(i + 3);
+    u32 pl = c->rq_plen;
+    if (k < pl)
+        return c->rq_prefix[k & (PREFIX_MAX - 1)];
+    return BYTE(s->off + k - pl);
+}
+
+#define NEED_MORE 0xff
+
+/* A method followed by a space and the start of a request target: the method's length; 0 when
+ * this is not a request line; NEED_MORE when too few bytes have arrived to tell. */
+static __always_inline u32 method_at(struct scratch *s, struct conn *c)
+{
+    u32 avail = c->rq_plen + (s->n > s->off ? s->n - s->off : 0);
+    if (avail < 4) {
+        for (u32 k = 0; k < 3; k++)
+            if (k < avail && (peek(s, c, k) < 'A' || peek(s, c, k) > 'Z'))
+                return 0;
+        return NEED_MORE;
+    }
+    u8 a = peek(s, c, 0), b = peek(s, c, 1), d = peek(s, c, 2), e = peek(s, c, 3);
     u32 len = 0;
-    if (a == 'G' && b == 'E' && c == 'T') len = 3;
-    else if (a == 'P' && b == 'U' && c == 'T') len = 3;
-    else if (a == 'P' && b == 'O' && c == 'S' && d == 'T') len = 4;
-    else if (a == 'H' && b == 'E' && c == 'A' && d == 'D') len = 4;
-    else if (a == 'P' && b == 'A' && c == 'T' && d == 'C') len = 5;
-    else if (a == 'D' && b == 'E' && c == 'L' && d == 'E') len = 6;
-    else if (a == 'O' && b == 'P' && c == 'T' && d == 'I') len = 7;
-    else if (a == 'T' && b == 'R' && c == 'A' && d == 'C') len = 5;
-    else if (a == 'C' && b == 'O' && c == 'N' && d == 'N') len = 7;
-    if (!len || i + len + 2 > s->n || BYTE(i + len) != ' ')
+    if (a == 'G' && b == 'E' && d == 'T') len = 3;
+    else if (a == 'P' && b == 'U' && d == 'T') len = 3;
+    else if (a == 'P' && b == 'O' && d == 'S' && e == 'T') len = 4;
+    else if (a == 'H' && b == 'E' && d == 'A' && e == 'D') len = 4;
+    else if (a == 'P' && b == 'A' && d == 'T' && e == 'C') len = 5;
+    else if (a == 'D' && b == 'E' && d == 'L' && e == 'E') len = 6;
+    else if (a == 'O' && b == 'P' && d == 'T' && e == 'I') len = 7;
+    else if (a == 'T' && b == 'R' && d == 'A' && e == 'C') len = 5;
+    else if (a == 'C' && b == 'O' && d == 'N' && e == 'N') len = 7;
+    if (!len)
         return 0;
-    u8 t = BYTE(i + len + 1);
+    if (avail < len + 2)
+        return NEED_MORE;
+    if (peek(s, c, len) != ' ')
+        return 0;
+    u8 t = peek(s, c, len + 1);
     if (t != '/' && t != '*' && t != 'h')   /* origin-, asterisk- or absolute-form target */
         return 0;
     return len;
+}
+
+/* Keep the few bytes of a request line that arrived alone, for the next read. */
+static __always_inline void carry_prefix(struct scratch *s, struct conn *c)
+{
+#pragma unroll
+    for (u32 k = 0; k < PREFIX_MAX - 1; k++) {
+        u32 pl = c->rq_plen;
+        if (s->off >= s->n || pl >= PREFIX_MAX - 1)
+            break;
+        c->rq_prefix[pl & (PREFIX_MAX - 1)] = BYTE(s->off);
+        c->rq_plen = pl + 1;
+        s->off++;
+    }
 }
 
 /* A request line begins at s->off: open a record for it. Returns the record or 0. */
@@ -620,7 +658,7 @@ static __always_inline struct http_record *open_request(struct scratch *s, struc
 #pragma unroll
     for (u32 k = 0; k < HTTP_METHOD_MAX; k++)
         if (k < mlen)
-            rec->method[k] = BYTE(s->off + k);
+            rec->method[k] = peek(s, c, k);
     rec->retrans = -c->retrans;
     start_thread_stats(rec, rec->tid);
     c->flags |= CONN_SEEN_REQ;
@@ -629,7 +667,8 @@ static __always_inline struct http_record *open_request(struct scratch *s, struc
     c->rq_scanned = mlen + 1;
     c->rq_cl = 0;
     c->rq_tpraw = 0;
-    s->off += mlen + 1;
+    s->off += mlen + 1 - c->rq_plen;   /* carried bytes are never more than method + space */
+    c->rq_plen = 0;
     return rec;
 }
 
@@ -778,7 +817,12 @@ int scan_req(void *ctx)
     if (c->rq_state == RQ_NONE) {
         if (s->off >= s->total)
             goto out;
-        u32 mlen = method_at(s, s->off);
+        u32 mlen = method_at(s, c);
+        if (mlen == NEED_MORE) {
+            carry_prefix(s, c);
+            return 0;   /* keep the arrival time: the request has begun to arrive */
+        }
+        c->rq_plen = 0;
         if (!mlen) {
             if (!(c->flags & CONN_SEEN_REQ)) {
                 count(CNT_NON_HTTP);

@@ -82,3 +82,17 @@ def jaeger() -> Iterator[Jaeger]:
         yield instance
     finally:
         instance.stop()
+
+
+@pytest.fixture(scope="session")
+def agent(jaeger: Jaeger) -> Iterator[object]:
+    """The real pipeline, loaded once per session, filtered to a pool of test ports."""
+    reason = privileged_missing()
+    if reason:
+        pytest.skip(reason)
+    from harness import Agent, free_ports
+
+    a = Agent(free_ports(24), "http://" + jaeger.otlp_grpc_endpoint)
+    a.start()
+    yield a
+    a.shutdown()

@@ -38,7 +38,7 @@ def series(points: list[tuple[float, float]], max_interval_s: float = 1.0) -> Se
 
 
 def at(t: float) -> int:
-    return T0 + int(round(t * S))
+    return T0 + round(t * S)
 
 
 # ---- window maths ------------------------------------------------------------------------
@@ -168,7 +168,10 @@ def test_window_stats_matches_brute_force(
 
 
 def history(index: int = 0, uuid: str = "GPU-a") -> DeviceHistory:
-    return DeviceHistory(index, uuid, "fake", capacity=256, max_interval_ns=S, max_pids=8)
+    """Device samples cover up to 1 s back; a process's sample up to 0.5 s (two 4 Hz ticks)."""
+    return DeviceHistory(
+        index, uuid, "fake", capacity=256, max_interval_ns=S, max_pids=8, process_interval_ns=S // 2
+    )
 
 
 def test_join_device_attributes_for_a_process() -> None:
@@ -249,7 +252,9 @@ def test_span_attributes_over_several_devices() -> None:
         h.kernel_active.append(at(1), busy)
         h.state.append(
             at(1),
-            DeviceState(memory_used=100, power_w=10.0, clock_event_reasons=1 << idx, processes={5: 7}),
+            DeviceState(
+                memory_used=100, power_w=10.0, clock_event_reasons=1 << idx, processes={5: 7}
+            ),
         )
         w = gj.join_device(h, 5, at(0.5), at(1))
         assert w is not None
@@ -311,10 +316,8 @@ def make(devices: list[FakeDevice]) -> tuple[GpuSampler, FakeNvml, Metrics, Cloc
     fake = FakeNvml(devices)
     metrics = Metrics()
     clock = Clock()
-    sampler = GpuSampler(
-        metrics, nvml=fake, clock=clock, visible_devices="all", pcie_interval_s=0
-    )
-    status = sampler._open()
+    sampler = GpuSampler(metrics, nvml=fake, clock=clock, visible_devices="all", pcie_interval_s=0)
+    status = sampler.open()
     assert status.available, status.reason
     return sampler, fake, metrics, clock
 
@@ -621,7 +624,7 @@ def test_visible_devices_env_limits_opened_gpus(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", f"1,{devs[3].uuid.lower()},7")
     fake = FakeNvml(devs)
     sampler = GpuSampler(nvml=fake, clock=Clock())
-    status = sampler._open()
+    status = sampler.open()
     assert status.available
     assert [h.index for h in sampler.histories()] == [1, 3]
     assert [g.index for g in status.gpus] == [1, 3]
@@ -674,7 +677,7 @@ def test_sampler_thread_samples_and_join_attaches() -> None:
     assert attrs[gj.MEM_BUSY_MAX] == pytest.approx(0.25)
     assert attrs[gj.PROCESS_MEMORY_USED_MAX] == 3 << 30
     assert attrs[gj.CLOCK_EVENT_REASONS] == "hw_thermal_slowdown"
-    assert attrs[gj.WINDOW_COVERAGE] > 0.9
+    assert float(attrs[gj.WINDOW_COVERAGE]) > 0.9
     assert metrics.get("gpu_sampler_running") == 0
     assert fake.initialised == 0
     n = metrics.get("gpu_samples_total", device="0")
@@ -736,7 +739,7 @@ def test_bench_call_costs_with_fake() -> None:
     by_name = {c.function: c for c in costs}
     assert {"nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo"} <= set(by_name)
     for c in costs:
-        assert c.calls == 20
+        assert c.calls == (10 if "Pcie" in c.function else 20)  # PCIe reads block ~20 ms each
         assert c.mean_us > 0
         assert 0 < c.p50_us <= c.p99_us
     reason = skip_reason(FakeNvml(init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND))

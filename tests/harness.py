@@ -1,0 +1,180 @@
+"""The agent and the servers, as the privileged tests drive them.
+
+`Agent` runs the real pipeline in-process (real BPF, real ring buffer, real span builder) with
+two destinations: an InMemoryExporter the tests query directly, and OTLP gRPC to the session's
+real Jaeger. Servers run as separate processes on ports from the agent's port filter.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from agent.metrics import Metrics
+from agent.model import KIND_SERVER, Span
+from agent.pipeline import Pipeline
+from agent.probes import ProbeConfig
+from agent.spans import SpanBuilder
+from exporters.base import InMemoryExporter
+from exporters.grpc_sender import OtlpGrpcExporter
+from exporters.queue import BatchExportQueue
+
+HERE = Path(__file__).parent
+PYSERVER = HERE / "servers" / "pyserver.py"
+GOSERVER_SRC = HERE / "servers" / "goserver"
+CACHE = Path(os.environ.get("TRACEJOIN_CACHE", "/var/cache/tracejoin"))
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def new_traceparent(sampled: bool = True) -> tuple[str, int, int]:
+    trace_id = random.getrandbits(128) | 1
+    parent = random.getrandbits(64) | 1
+    return f"00-{trace_id:032x}-{parent:016x}-{'01' if sampled else '00'}", trace_id, parent
+
+
+class Agent:
+    def __init__(self, ports: list[int], otlp_endpoint: str | None,
+                 probe_config: ProbeConfig | None = None) -> None:
+        self.metrics = Metrics()
+        self.ports = list(ports)
+        self._free = list(ports)
+        self.memory = InMemoryExporter()
+        dests = [BatchExportQueue(self.memory, self.metrics, flush_interval_s=0.05,
+                                  name="memory", max_queue_spans=200_000)]
+        if otlp_endpoint:
+            dests.append(BatchExportQueue(OtlpGrpcExporter(otlp_endpoint), self.metrics,
+                                          flush_interval_s=0.1, name="otlp",
+                                          max_queue_spans=200_000))
+        cfg = probe_config or ProbeConfig(ports=tuple(ports))
+
+        def builder(tlb_mode: str) -> SpanBuilder:
+            return SpanBuilder(self.metrics, tlb_mode=tlb_mode)
+
+        self.pipeline = Pipeline(cfg, builder, dests, self.metrics)
+
+    def start(self) -> None:
+        self.pipeline.start()
+
+    def shutdown(self) -> None:
+        self.pipeline.shutdown(5.0)
+
+    def take_port(self) -> int:
+        return self._free.pop()
+
+    def spans(self) -> list[Span]:
+        return self.memory.spans
+
+    def wait_for(self, pred: Callable[[list[Span]], bool], timeout_s: float = 10.0) -> list[Span]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            spans = self.memory.spans
+            if pred(spans) or time.monotonic() > deadline:
+                return spans
+            time.sleep(0.05)
+
+    def server_spans(self, trace_id: int, n: int = 1, timeout_s: float = 10.0) -> list[Span]:
+        def mine(spans: list[Span]) -> list[Span]:
+            return [s for s in spans if s.trace_id == trace_id and s.kind == KIND_SERVER]
+
+        return mine(self.wait_for(lambda sp: len(mine(sp)) >= n, timeout_s))
+
+    def port_spans(self, port: int, settle_s: float = 1.0) -> list[Span]:
+        """Server spans seen on `port`, after giving the pipeline `settle_s` to deliver."""
+        time.sleep(settle_s)
+        return [s for s in self.memory.spans
+                if s.kind == KIND_SERVER and s.attributes.get("server.port") == port]
+
+
+@contextmanager
+def server(mode: str, port: int, env: dict[str, str] | None = None,
+           cpu: int | None = None) -> Iterator[subprocess.Popen[str]]:
+    """Start a test server and wait for its "ready" line and its port to accept."""
+    if mode == "go":
+        cmd = [str(go_server_binary()), str(port)]
+    else:
+        cmd = [sys.executable, str(PYSERVER), mode, str(port)]
+    if cpu is not None:
+        cmd = ["taskset", "-c", str(cpu), *cmd]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "ready" in line, f"server {mode} did not start: {line!r}"
+        _wait_port(port)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _wait_port(port: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"port {port} never accepted")
+
+
+_go_lock = threading.Lock()
+
+
+def go_server_binary() -> Path:
+    """The Go net/http test server, built once and cached (stdlib only: no downloads)."""
+    out = CACHE / "tj-goserver"
+    src = GOSERVER_SRC / "main.go"
+    with _go_lock:
+        if not out.exists() or out.stat().st_mtime < src.stat().st_mtime:
+            CACHE.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["go", "build", "-o", str(out), "."], cwd=GOSERVER_SRC, check=True)
+    return out
+
+
+def raw_request(port: int, payload: bytes, read: bool = True, timeout_s: float = 5.0) -> bytes:
+    """Send raw bytes on a fresh connection; return what came back until close or timeout."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+        s.sendall(payload)
+        if not read:
+            return b""
+        chunks = []
+        try:
+            while True:
+                part = s.recv(65536)
+                if not part:
+                    break
+                chunks.append(part)
+                if b"\r\n\r\n" in b"".join(chunks) and _complete(b"".join(chunks)):
+                    break
+        except TimeoutError:
+            pass
+        return b"".join(chunks)
+
+
+def _complete(resp: bytes) -> bool:
+    head, _, body = resp.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return len(body) >= int(line.split(b":")[1])
+    return False

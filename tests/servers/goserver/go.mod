@@ -1,0 +1,3 @@
+module tracejoin.dev/tests/goserver
+
+go 1.22

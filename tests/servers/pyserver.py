@@ -1,0 +1,170 @@
+"""Servers the tests control, one process each: `python pyserver.py MODE PORT`.
+
+MODE
+  threaded   stdlib ThreadingHTTPServer speaking HTTP/1.1 keep-alive
+  aiohttp    an asyncio server (aiohttp)
+  rawchunks  accepts, reads the request in CHUNK-byte reads (env CHUNK), answers 200
+  slowread   accepts, waits until the request has arrived, sleeps SLEEP_MS (env), then reads
+
+Endpoints (threaded and aiohttp): /sleep?ms=N, /pages?n=N (touch N fresh pages),
+/tlb?n=N (N mmap/munmap rounds while a second thread runs: TLB shootdowns), /file?kb=N
+(the body sent with sendfile(2); threaded only), anything else: 200 "ok".
+Prints "ready" on stdout once listening.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import select
+import socket
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+PAGE = mmap.PAGESIZE
+
+
+def touch_pages(n: int) -> None:
+    if n <= 0:
+        return
+    m = mmap.mmap(-1, n * PAGE)
+    for i in range(n):
+        m[i * PAGE] = 1
+    m.close()
+
+
+def tlb_churn(n: int) -> None:
+    # munmap of memory another running thread of this process may have cached forces a TLB
+    # shootdown on the CPUs that thread ran on.
+    stop = threading.Event()
+    spinner = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)])
+    spinner.start()
+    for _ in range(n):
+        m = mmap.mmap(-1, 16 * PAGE)
+        m[0] = 1
+        m.close()
+    stop.set()
+    spinner.join()
+
+
+_FILES: dict[int, str] = {}
+
+
+def body_file(kb: int) -> str:
+    if kb not in _FILES:
+        fd, path = tempfile.mkstemp(prefix="tj-body-")
+        os.write(fd, b"x" * (kb * 1024))
+        os.close(fd)
+        _FILES[kb] = path
+    return _FILES[kb]
+
+
+def handle(path: str) -> tuple[int, bytes]:
+    url = urlsplit(path)
+    q = {k: v[0] for k, v in parse_qs(url.query).items()}
+    if url.path == "/sleep":
+        time.sleep(int(q.get("ms", "0")) / 1000)
+    elif url.path == "/pages":
+        touch_pages(int(q.get("n", "0")))
+    elif url.path == "/tlb":
+        tlb_churn(int(q.get("n", "0")))
+    elif url.path == "/error":
+        return 503, b"unavailable\n"
+    return 200, b"ok\n"
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        url = urlsplit(self.path)
+        if url.path == "/file":
+            kb = int(parse_qs(url.query).get("kb", ["64"])[0])
+            path = body_file(kb)
+            self.send_response(200)
+            self.send_header("Content-Length", str(kb * 1024))
+            self.end_headers()
+            self.wfile.flush()
+            with open(path, "rb") as fh:
+                self.connection.sendfile(fh)
+            return
+        code, body = handle(self.path)
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        n = int(self.headers.get("Content-Length", "0"))
+        self.rfile.read(n)
+        self.do_GET()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def serve_threaded(port: int) -> None:
+    srv = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    srv.daemon_threads = True
+    print("ready", flush=True)
+    srv.serve_forever()
+
+
+def serve_aiohttp(port: int) -> None:
+    from aiohttp import web
+
+    async def any_path(request: web.Request) -> web.Response:
+        code, body = handle(str(request.rel_url))
+        return web.Response(status=code, body=body)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", any_path)
+    print("ready", flush=True)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+RESPONSE = b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\nok\n"
+
+
+def serve_raw(port: int, mode: str) -> None:
+    chunk = int(os.environ.get("CHUNK", "4096"))
+    sleep_ms = int(os.environ.get("SLEEP_MS", "0"))
+    lsock = socket.socket()
+    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    lsock.bind(("127.0.0.1", port))
+    lsock.listen(128)
+    print("ready", flush=True)
+    while True:
+        conn, _ = lsock.accept()
+        try:
+            if mode == "slowread":
+                select.select([conn], [], [], 5)
+                time.sleep(sleep_ms / 1000)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                part = conn.recv(chunk)
+                if not part:
+                    break
+                data += part
+            if data:
+                conn.sendall(RESPONSE)
+        finally:
+            conn.close()
+
+
+def main() -> None:
+    mode, port = sys.argv[1], int(sys.argv[2])
+    if mode == "threaded":
+        serve_threaded(port)
+    elif mode == "aiohttp":
+        serve_aiohttp(port)
+    else:
+        serve_raw(port, mode)
+
+
+if __name__ == "__main__":
+    main()

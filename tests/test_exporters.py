@@ -1,0 +1,952 @@
+"""Exporters: encoders checked against an independent reference, senders against a real
+in-process gRPC TraceService and a real HTTP server on loopback, and the batching queue's
+retries, loss accounting and shutdown deadline. No mocks of gRPC or HTTP.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import io
+import json
+import random
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf import json_format, text_format
+from google.rpc import error_details_pb2, status_pb2
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTracePartialSuccess,
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.common.v1 import common_pb2
+from opentelemetry.proto.resource.v1 import resource_pb2
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+import agent
+from agent.metrics import Metrics
+from agent.model import (
+    KIND_INTERNAL,
+    KIND_SERVER,
+    STATUS_ERROR,
+    STATUS_OK,
+    AttrValue,
+    Event,
+    Resource,
+    Span,
+)
+from exporters.base import ExportResult, ExportStatus, InMemoryExporter, SpanExporter
+from exporters.file_sender import ConsoleExporter, JsonLinesFileExporter
+from exporters.grpc_sender import OtlpGrpcExporter
+from exporters.http_sender import OtlpHttpExporter, parse_retry_after
+from exporters.otlp_json import decode_request_json, encode_request_dict, encode_request_json
+from exporters.otlp_proto import encode_request, encode_request_bytes
+from exporters.queue import BatchExportQueue, FanoutQueue, fanout
+
+# ----------------------------------------------------------------------------- span factory
+
+RES_A = Resource((("service.name", "api"), ("process.pid", 4242), ("host.name", "node-1")))
+RES_B = Resource((("service.name", "worker"), ("process.pid", 77), ("k8s.pod.uid", "u-1")))
+
+
+def make_span(i: int, resource: Resource = RES_A, parent: int | None = None) -> Span:
+    """A server span like the agent builds: HTTP semconv plus kernel attributes, 2 events."""
+    start = 1_700_000_000_000_000_000 + i * 1_000_000
+    attrs: dict[str, AttrValue] = {
+        "http.request.method": "GET",
+        "url.path": f"/items/{i % 7}",
+        "http.response.status_code": 200 if i % 5 else 503,
+        "server.port": 8080,
+        "tracejoin.kernel.recv_wait_ns": 51_234 + i,
+        "tracejoin.kernel.cpu_time_ns": 1_234_567_890 + i,
+        "tracejoin.kernel.bytes_sent": 0,
+        "tracejoin.gpu.kernel_time_fraction": 0.25 + i / 1000,
+        "tracejoin.tlb_flushes.approximate": i % 2 == 0,
+        "tracejoin.delta": -17 - i,
+    }
+    return Span(
+        trace_id=(0x4BF92F3577B34DA6A3CE929D0E0E4736 + i) & ((1 << 128) - 1),
+        span_id=0x00F067AA0BA902B7 + i,
+        parent_span_id=(0x1111_2222_3333_4444 + i) if parent is None else parent,
+        name=f"GET /items/{i % 7}",
+        kind=KIND_SERVER,
+        start_ns=start,
+        end_ns=start + 2_500_000 + i,
+        resource=resource,
+        attributes=attrs,
+        events=[
+            Event("request.received", start + 10, {"tracejoin.bytes": 512}),
+            Event("response.sent", start + 2_400_000, {}),
+        ],
+        status_code=STATUS_ERROR if i % 5 == 0 else STATUS_OK,
+        status_message="upstream unavailable" if i % 5 == 0 else "",
+        trace_flags=1,
+    )
+
+
+def make_spans(n: int) -> list[Span]:
+    return [
+        make_span(i, RES_A if i % 3 else RES_B, parent=0 if i % 4 == 0 else None) for i in range(n)
+    ]
+
+
+# --------------------------------------------------------------- reference protobuf encoder
+# Deliberately naive (message constructors, field by field): the fast encoder must match it.
+
+
+def _ref_value(v: object) -> common_pb2.AnyValue:
+    if isinstance(v, bool):
+        return common_pb2.AnyValue(bool_value=v)
+    if isinstance(v, int):
+        if -(2**63) <= v < 2**63:
+            return common_pb2.AnyValue(int_value=v)
+        return common_pb2.AnyValue(string_value=str(v))
+    if isinstance(v, float):
+        return common_pb2.AnyValue(double_value=v)
+    return common_pb2.AnyValue(string_value=str(v))
+
+
+def _ref_attrs(attrs: Any) -> list[common_pb2.KeyValue]:
+    return [common_pb2.KeyValue(key=k, value=_ref_value(v)) for k, v in attrs]
+
+
+def reference_request(spans: list[Span]) -> ExportTraceServiceRequest:
+    groups: dict[Resource, list[trace_pb2.Span]] = {}
+    for s in spans:
+        pb = trace_pb2.Span(
+            trace_id=s.trace_id.to_bytes(16, "big"),
+            span_id=s.span_id.to_bytes(8, "big"),
+            parent_span_id=s.parent_span_id.to_bytes(8, "big") if s.parent_span_id else b"",
+            name=s.name,
+            kind=s.kind,  # type: ignore[arg-type]
+            start_time_unix_nano=s.start_ns,
+            end_time_unix_nano=s.end_ns,
+            attributes=_ref_attrs(s.attributes.items()),
+            events=[
+                trace_pb2.Span.Event(
+                    time_unix_nano=e.time_ns,
+                    name=e.name,
+                    attributes=_ref_attrs(e.attributes.items()),
+                )
+                for e in s.events
+            ],
+            flags=s.trace_flags,
+        )
+        if s.status_code or s.status_message:
+            pb.status.CopyFrom(trace_pb2.Status(code=s.status_code, message=s.status_message))  # type: ignore[arg-type]
+        groups.setdefault(s.resource, []).append(pb)
+    req = ExportTraceServiceRequest()
+    for res, pbs in groups.items():
+        rs = req.resource_spans.add()
+        if res.attributes:
+            rs.resource.CopyFrom(resource_pb2.Resource(attributes=_ref_attrs(res.attributes)))
+        ss = rs.scope_spans.add()
+        ss.scope.name = "tracejoin"
+        ss.scope.version = agent.__version__
+        ss.spans.extend(pbs)
+    return req
+
+
+def assert_same_request(got: ExportTraceServiceRequest, want: ExportTraceServiceRequest) -> None:
+    if got != want:  # show a readable diff rather than two opaque objects
+        assert text_format.MessageToString(got) == text_format.MessageToString(want)
+    assert got == want
+
+
+# ------------------------------------------------------------------------------ encoders
+
+
+def test_proto_encoder_matches_reference() -> None:
+    spans = make_spans(40)
+    assert_same_request(encode_request(spans), reference_request(spans))
+
+
+def test_proto_encoder_fields() -> None:
+    root = make_span(0, parent=0)
+    child = make_span(1)
+    req = encode_request([root, child])
+    (rs,) = req.resource_spans
+    assert [(kv.key, kv.value.WhichOneof("value")) for kv in rs.resource.attributes] == [
+        ("service.name", "string_value"),
+        ("process.pid", "int_value"),
+        ("host.name", "string_value"),
+    ]
+    (ss,) = rs.scope_spans
+    assert (ss.scope.name, ss.scope.version) == ("tracejoin", agent.__version__)
+    a, b = ss.spans
+    assert a.trace_id == bytes.fromhex("4bf92f3577b34da6a3ce929d0e0e4736")
+    assert a.span_id == bytes.fromhex("00f067aa0ba902b7")
+    assert a.parent_span_id == b""  # root: empty, not eight zero bytes
+    assert b.parent_span_id == bytes.fromhex("1111222233334445")
+    assert a.kind == trace_pb2.Span.SPAN_KIND_SERVER
+    assert a.start_time_unix_nano == root.start_ns and a.end_time_unix_nano == root.end_ns
+    kinds = {kv.key: kv.value.WhichOneof("value") for kv in a.attributes}
+    assert kinds["tracejoin.tlb_flushes.approximate"] == "bool_value"  # not int_value
+    assert kinds["http.response.status_code"] == "int_value"
+    assert kinds["tracejoin.gpu.kernel_time_fraction"] == "double_value"
+    values = {kv.key: kv.value for kv in a.attributes}
+    assert values["tracejoin.delta"].int_value == -17
+    assert values["tracejoin.tlb_flushes.approximate"].bool_value is True
+    assert [e.name for e in a.events] == ["request.received", "response.sent"]
+    assert a.events[0].attributes[0].value.int_value == 512
+    assert a.status.code == trace_pb2.Status.STATUS_CODE_ERROR
+    assert a.status.message == "upstream unavailable"
+    assert not b.HasField("status") or b.status.code == trace_pb2.Status.STATUS_CODE_OK
+    assert a.flags & 0xFF == 1
+
+
+def test_proto_encoder_edge_values_match_reference() -> None:
+    """Long keys/values (multi-byte lengths), big spans, odd ints, unicode, no events."""
+    rng = random.Random(7)
+    spans = []
+    for i in range(30):
+        attrs: dict[str, AttrValue] = {
+            "k" * (90 + i): i,  # around the single-byte-length fast path limit
+            "long.value": "é" * (rng.randrange(1, 400)),
+            "u64.big": 2**63 + i,  # beyond int64: sent as text
+            "i64.min": -(2**63),
+            "i64.max": 2**63 - 1,
+            "zero": 0,
+            "false": False,
+            "huge.float": 1e308,
+            "empty": "",
+            "surrogate": "bad\udcffbyte",
+        }
+        for j in range(rng.randrange(0, 600)):  # some spans > 16 KiB: 3-byte lengths
+            choices: list[AttrValue] = [j, f"v{j}", j / 3, j % 2 == 0]
+            attrs[f"extra.{j}"] = rng.choice(choices)
+        if i % 10 == 0:
+            attrs["huge"] = "x" * 20_000  # 3-byte length varints for KeyValue and Span
+        spans.append(
+            Span(rng.getrandbits(128), rng.getrandbits(64), 0, "ñame", KIND_INTERNAL, 0, 1,
+                 Resource(()), attrs, [], 0, "", 0)
+        )  # fmt: skip
+    got = encode_request(spans)
+    for s in spans:  # the reference cannot encode a lone surrogate; the encoder replaces it
+        s.attributes["surrogate"] = "bad?byte"
+    assert_same_request(got, reference_request(spans))
+    assert not got.resource_spans[0].HasField("resource")  # attribute-less: left out
+
+
+def test_proto_groups_equal_resources_from_distinct_objects() -> None:
+    twin = Resource(tuple(RES_A.attributes))  # equal, not identical
+    spans = [make_span(0, RES_A), make_span(1, RES_B), make_span(2, twin), make_span(3, RES_A)]
+    req = encode_request(spans)
+    assert len(req.resource_spans) == 2
+    names = [
+        [s.span_id for s in rs.scope_spans[0].spans] for rs in req.resource_spans
+    ]  # order of arrival kept within each group
+    assert names == [
+        [(0x00F067AA0BA902B7 + i).to_bytes(8, "big") for i in (0, 2, 3)],
+        [(0x00F067AA0BA902B7 + 1).to_bytes(8, "big")],
+    ]
+    assert encode_request_bytes([]) == b""
+
+
+def _json_to_proto(obj: dict[str, Any]) -> ExportTraceServiceRequest:
+    """Independent of decode_request_json: convert hex ids to base64, then ParseDict."""
+
+    def fix(o: Any) -> Any:
+        if isinstance(o, dict):
+            return {
+                k: base64.b64encode(bytes.fromhex(v)).decode()
+                if k in ("traceId", "spanId", "parentSpanId")
+                else fix(v)
+                for k, v in o.items()
+            }
+        if isinstance(o, list):
+            return [fix(v) for v in o]
+        return o
+
+    msg = ExportTraceServiceRequest()
+    json_format.ParseDict(fix(obj), msg)
+    return msg
+
+
+def test_json_round_trips_to_the_protobuf_encoding() -> None:
+    spans = make_spans(25)
+    text = encode_request_json(spans)
+    assert "\n" not in text
+    assert_same_request(_json_to_proto(json.loads(text)), encode_request(spans))
+    assert_same_request(decode_request_json(text), encode_request(spans))
+
+
+def test_json_uses_otlp_conventions() -> None:
+    root, child = make_span(0, parent=0), make_span(1)
+    obj = json.loads(encode_request_json([root, child]))
+    rs = obj["resourceSpans"][0]
+    assert rs["resource"]["attributes"][1] == {"key": "process.pid", "value": {"intValue": "4242"}}
+    assert rs["scopeSpans"][0]["scope"] == {"name": "tracejoin", "version": agent.__version__}
+    a, b = rs["scopeSpans"][0]["spans"]
+    assert a["traceId"] == "4bf92f3577b34da6a3ce929d0e0e4736"  # hex, not base64
+    assert a["spanId"] == "00f067aa0ba902b7"
+    assert "parentSpanId" not in a  # empty: omitted
+    assert b["parentSpanId"] == "1111222233334445"
+    assert a["kind"] == 2  # enum as integer
+    assert a["startTimeUnixNano"] == str(root.start_ns)  # 64-bit as decimal string
+    assert a["status"] == {"message": "upstream unavailable", "code": 2}
+    attrs = {kv["key"]: kv["value"] for kv in a["attributes"]}
+    assert attrs["tracejoin.tlb_flushes.approximate"] == {"boolValue": True}
+    assert attrs["tracejoin.delta"] == {"intValue": "-17"}
+    assert attrs["tracejoin.gpu.kernel_time_fraction"] == {"doubleValue": 0.25}
+    assert a["events"][1] == {
+        "timeUnixNano": str(root.start_ns + 2_400_000),
+        "name": "response.sent",
+    }
+    low = make_span(0)
+    low.trace_id, low.span_id, low.parent_span_id = 0xAB, 0xCD, 0xEF  # leading zeros kept
+    (ls,) = encode_request_dict([low])["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    assert (ls["traceId"], ls["spanId"], ls["parentSpanId"]) == (
+        "000000000000000000000000000000ab",
+        "00000000000000cd",
+        "00000000000000ef",
+    )
+    unset = make_span(1)
+    unset.status_code, unset.status_message = 0, ""
+    (only,) = encode_request_dict([unset])["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    assert "status" not in only
+
+
+def test_json_non_finite_doubles() -> None:
+    span = make_span(0)
+    span.attributes = {"nan": float("nan"), "inf": float("inf"), "ninf": float("-inf")}
+    text = encode_request_json([span])
+    assert '"doubleValue":"NaN"' in text and '"doubleValue":"-Infinity"' in text
+    values = decode_request_json(text).resource_spans[0].scope_spans[0].spans[0].attributes
+    got = [kv.value.double_value for kv in values]
+    assert got[0] != got[0] and got[1:] == [float("inf"), float("-inf")]
+
+
+# --------------------------------------------------------------------- real gRPC collector
+
+
+class GrpcCollector(trace_service_pb2_grpc.TraceServiceServicer):
+    """A real TraceService: records requests; can answer the next calls with error codes."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests: list[ExportTraceServiceRequest] = []
+        self.metadata: list[dict[str, str]] = []
+        self.calls = 0
+        self.fail: list[tuple[grpc.StatusCode, bytes | None]] = []
+        self.rejected = 0
+        self.endpoint = ""
+
+    def Export(self, request: Any, context: Any) -> ExportTraceServiceResponse:
+        with self.lock:
+            self.calls += 1
+            self.metadata.append(dict(context.invocation_metadata()))
+            failure = self.fail.pop(0) if self.fail else None
+            if failure is None:
+                self.requests.append(request)
+        if failure is not None:
+            code, details_bin = failure
+            if details_bin is not None:
+                context.set_trailing_metadata((("grpc-status-details-bin", details_bin),))
+            context.abort(code, f"test says {code.name}")
+        resp = ExportTraceServiceResponse()
+        if self.rejected:
+            resp.partial_success.CopyFrom(
+                ExportTracePartialSuccess(rejected_spans=self.rejected, error_message="too old")
+            )
+        return resp
+
+    def received(self) -> ExportTraceServiceRequest:
+        """Everything received, merged into one request."""
+        merged = ExportTraceServiceRequest()
+        with self.lock:
+            for r in self.requests:
+                merged.resource_spans.extend(r.resource_spans)
+        return merged
+
+
+@pytest.fixture
+def grpc_collector() -> Iterator[GrpcCollector]:
+    collector = GrpcCollector()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    collector.endpoint = f"http://127.0.0.1:{port}"
+    yield collector
+    server.stop(0)
+
+
+# --------------------------------------------------------------------- real HTTP collector
+
+
+class HttpCollector:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests: list[ExportTraceServiceRequest] = []
+        self.seen: list[tuple[float, str, dict[str, str]]] = []  # (time, path, headers)
+        self.responses: list[tuple[int, dict[str, str]]] = []  # answers for the next calls
+        self.url = ""
+
+    def received(self) -> ExportTraceServiceRequest:
+        merged = ExportTraceServiceRequest()
+        with self.lock:
+            for r in self.requests:
+                merged.resource_spans.extend(r.resource_spans)
+        return merged
+
+
+@pytest.fixture
+def http_collector() -> Iterator[HttpCollector]:
+    collector = HttpCollector()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as a real collector
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            if self.headers.get("Content-Encoding") == "gzip":
+                body = gzip.decompress(body)
+            with collector.lock:
+                collector.seen.append((time.monotonic(), self.path, dict(self.headers)))
+                status, headers = collector.responses.pop(0) if collector.responses else (200, {})
+                if status == 200:
+                    collector.requests.append(ExportTraceServiceRequest.FromString(body))
+            payload = ExportTraceServiceResponse().SerializeToString() if status == 200 else b"no"
+            self.send_response(status)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(payload)))
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    collector.url = f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
+    yield collector
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def blackhole_port() -> Iterator[int]:
+    """A port whose connections complete (the kernel's backlog) but are never answered."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    yield sock.getsockname()[1]
+    sock.close()
+
+
+@pytest.fixture
+def dead_port() -> int:
+    """A port nothing listens on (connection refused)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port: int = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+def fast_queue(exporter: SpanExporter, metrics: Metrics, **kw: Any) -> BatchExportQueue:
+    opts: dict[str, Any] = dict(
+        max_batch=100, flush_interval_s=0.05, initial_backoff_s=0.01, max_backoff_s=0.05,
+        rng=random.Random(1),
+    )  # fmt: skip
+    opts.update(kw)
+    return BatchExportQueue(exporter, metrics, **opts)
+
+
+# ------------------------------------------------------------------------------- senders
+
+
+@pytest.mark.parametrize("compression", [None, "gzip"])
+def test_grpc_exporter_delivers_exact_content(
+    grpc_collector: GrpcCollector, compression: str | None
+) -> None:
+    spans = make_spans(30)
+    exp = OtlpGrpcExporter(
+        grpc_collector.endpoint,
+        headers={"Authorization": "Bearer t0k", "x-tenant": "a b"},
+        timeout_s=5,
+        compression=compression,
+    )
+    try:
+        result = exp.export(spans)
+    finally:
+        exp.shutdown()
+        exp.shutdown()  # idempotent
+    assert result.status is ExportStatus.SUCCESS, result.detail
+    assert_same_request(grpc_collector.received(), reference_request(spans))
+    md = grpc_collector.metadata[0]
+    assert md["authorization"] == "Bearer t0k" and md["x-tenant"] == "a b"
+    assert md["user-agent"].startswith(f"tracejoin/{agent.__version__}")
+    assert exp.export(spans).status is ExportStatus.PERMANENT_FAILURE  # after shutdown
+
+
+@pytest.mark.parametrize("compression", [None, "gzip"])
+def test_http_exporter_delivers_exact_content(
+    http_collector: HttpCollector, compression: str | None
+) -> None:
+    spans = make_spans(30)
+    exp = OtlpHttpExporter(
+        http_collector.url, headers={"Authorization": "Bearer t0k"}, compression=compression
+    )
+    try:
+        assert exp.export(spans[:10]).ok
+        assert exp.export(spans[10:]).ok  # the same kept-alive connection
+    finally:
+        exp.shutdown()
+    want = _concat(reference_request(spans[:10]), reference_request(spans[10:]))
+    assert_same_request(http_collector.received(), want)
+    _, path, headers = http_collector.seen[0]
+    assert path == "/v1/traces"
+    assert headers["Content-Type"] == "application/x-protobuf"
+    assert headers["Authorization"] == "Bearer t0k"
+    assert headers.get("Content-Encoding") == compression
+
+
+def _concat(*reqs: ExportTraceServiceRequest) -> ExportTraceServiceRequest:
+    out = ExportTraceServiceRequest()
+    for r in reqs:
+        out.resource_spans.extend(r.resource_spans)
+    return out
+
+
+def test_grpc_retry_info_and_status_mapping(grpc_collector: GrpcCollector) -> None:
+    info = error_details_pb2.RetryInfo()
+    info.retry_delay.FromMilliseconds(1500)
+    status = status_pb2.Status(code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message="slow")
+    status.details.add().Pack(info)
+    grpc_collector.fail = [
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, status.SerializeToString()),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, None),  # no RetryInfo: not retryable
+        (grpc.StatusCode.INVALID_ARGUMENT, None),
+        (grpc.StatusCode.UNAVAILABLE, None),
+        (grpc.StatusCode.DATA_LOSS, None),
+    ]
+    exp = OtlpGrpcExporter(grpc_collector.endpoint, timeout_s=5)
+    try:
+        results = [exp.export(make_spans(2)) for _ in range(5)]
+    finally:
+        exp.shutdown()
+    assert [r.status for r in results] == [
+        ExportStatus.RETRYABLE_FAILURE,
+        ExportStatus.PERMANENT_FAILURE,
+        ExportStatus.PERMANENT_FAILURE,
+        ExportStatus.RETRYABLE_FAILURE,
+        ExportStatus.RETRYABLE_FAILURE,
+    ]
+    assert results[0].retry_after_s == pytest.approx(1.5)
+    assert "INVALID_ARGUMENT" in results[2].detail
+
+
+def test_http_status_mapping_and_retry_after(http_collector: HttpCollector) -> None:
+    http_collector.responses = [(503, {"Retry-After": "7"}), (429, {}), (400, {}), (504, {})]
+    exp = OtlpHttpExporter(http_collector.url)
+    try:
+        results = [exp.export(make_spans(1)) for _ in range(4)]
+    finally:
+        exp.shutdown()
+    assert [r.status for r in results] == [
+        ExportStatus.RETRYABLE_FAILURE,
+        ExportStatus.RETRYABLE_FAILURE,
+        ExportStatus.PERMANENT_FAILURE,
+        ExportStatus.RETRYABLE_FAILURE,
+    ]
+    assert results[0].retry_after_s == 7.0
+    assert results[1].retry_after_s is None
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:10 GMT", now=1445412480.0) == 10.0
+    assert parse_retry_after("soon") is None
+
+
+@pytest.mark.parametrize("transport", ["grpc", "http"])
+def test_per_call_timeout_against_blackhole(blackhole_port: int, transport: str) -> None:
+    url = f"http://127.0.0.1:{blackhole_port}"
+    exp: SpanExporter = (
+        OtlpGrpcExporter(url, timeout_s=30) if transport == "grpc"
+        else OtlpHttpExporter(url + "/v1/traces", timeout_s=30)
+    )  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        result = exp.export(make_spans(3), timeout_s=0.3)  # the caller's cap wins
+    finally:
+        exp.shutdown()
+    assert time.monotonic() - t0 < 2.0
+    assert result.status is ExportStatus.RETRYABLE_FAILURE
+
+
+def test_json_lines_file_exporter(tmp_path: Path) -> None:
+    path = tmp_path / "spans.otlp.jsonl"
+    exp = JsonLinesFileExporter(path)
+    spans = make_spans(12)
+    assert exp.export(spans[:5]).ok and exp.export(spans[5:]).ok
+    # Flushed per batch: readable before shutdown.
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 2
+    assert_same_request(decode_request_json(lines[0]), reference_request(spans[:5]))
+    assert_same_request(decode_request_json(lines[1]), reference_request(spans[5:]))
+    exp.shutdown()
+    exp.shutdown()
+    assert exp.export(spans).status is ExportStatus.PERMANENT_FAILURE
+    JsonLinesFileExporter(tmp_path / "never-used").shutdown()  # safe without use
+    assert not (tmp_path / "never-used").exists()
+    bad = JsonLinesFileExporter(tmp_path / "missing-dir" / "x.jsonl")
+    assert bad.export(spans).status is ExportStatus.RETRYABLE_FAILURE
+
+
+def test_console_exporter_lines() -> None:
+    out = io.StringIO()
+    exp = ConsoleExporter(out)
+    assert exp.export([make_span(0), make_span(1)]).ok
+    exp.shutdown()
+    assert out.getvalue().splitlines() == [
+        "4bf92f3577b34da6a3ce929d0e0e4736 00f067aa0ba902b7 GET /items/0 2.500 ms "
+        "ERROR (upstream unavailable)",
+        "4bf92f3577b34da6a3ce929d0e0e4737 00f067aa0ba902b8 GET /items/1 2.500 ms OK",
+    ]
+
+
+# --------------------------------------------------------------------------------- queue
+
+
+def test_queue_grpc_retries_unavailable_then_succeeds(grpc_collector: GrpcCollector) -> None:
+    grpc_collector.fail = [(grpc.StatusCode.UNAVAILABLE, None)] * 2
+    metrics = Metrics()
+    q = fast_queue(OtlpGrpcExporter(grpc_collector.endpoint, timeout_s=5), metrics)
+    spans = make_spans(40)
+    assert all(q.submit(s) for s in spans)  # before start: buffered, one batch
+    q.start()
+    assert q.force_flush(10)
+    q.shutdown(5)
+    assert grpc_collector.calls == 3
+    assert_same_request(grpc_collector.received(), reference_request(spans))
+    assert metrics.get("spans_exported") == 40
+    assert metrics.get("export_retries") == 2
+    assert metrics.get("export_failures") == 0
+    assert metrics.total("spans_dropped") == 0
+
+
+def test_queue_http_retries_503_honouring_retry_after(http_collector: HttpCollector) -> None:
+    http_collector.responses = [(503, {"Retry-After": "1"}), (503, {})]
+    metrics = Metrics()
+    q = fast_queue(OtlpHttpExporter(http_collector.url, timeout_s=5), metrics)
+    spans = make_spans(20)
+    for s in spans:
+        q.submit(s)
+    q.start()
+    assert q.force_flush(10)
+    q.shutdown(5)
+    times = [t for t, _, _ in http_collector.seen]
+    assert len(times) == 3
+    assert times[1] - times[0] >= 0.95  # waited as told, not the 10 ms backoff
+    assert times[2] - times[1] < 0.5
+    assert_same_request(http_collector.received(), reference_request(spans))
+    assert metrics.get("spans_exported") == 20
+    assert metrics.get("export_retries") == 2
+    assert metrics.get("export_failures") == 0
+
+
+def test_queue_counts_partial_success_rejections(grpc_collector: GrpcCollector) -> None:
+    grpc_collector.rejected = 3
+    metrics = Metrics()
+    q = fast_queue(OtlpGrpcExporter(grpc_collector.endpoint, timeout_s=5), metrics)
+    for s in make_spans(10):
+        q.submit(s)
+    q.start()
+    q.shutdown(5)
+    assert metrics.get("spans_exported") == 7
+    assert metrics.get("spans_dropped", reason="rejected") == 3
+    assert grpc_collector.calls == 1  # partial success is not retried
+
+
+@pytest.mark.parametrize("transport", ["grpc", "http"])
+def test_queue_dead_endpoint_counts_failures_never_raises(dead_port: int, transport: str) -> None:
+    url = f"http://127.0.0.1:{dead_port}"
+    exp: SpanExporter = (
+        OtlpGrpcExporter(url, timeout_s=2) if transport == "grpc"
+        else OtlpHttpExporter(url + "/v1/traces", timeout_s=2)
+    )  # fmt: skip
+    metrics = Metrics()
+    q = fast_queue(exp, metrics, max_batch=10, max_retries=2)
+    for s in make_spans(25):
+        assert q.submit(s)
+    q.start()
+    assert q.force_flush(10)
+    q.shutdown(2)
+    assert metrics.get("spans_exported") == 0
+    assert metrics.get("export_failures") == 3  # batches of 10, 10, 5
+    assert metrics.get("export_retries") == 6  # 2 per batch
+    assert metrics.get("spans_dropped", reason="export_failed") == 25
+    assert metrics.total("spans_dropped") == 25
+
+
+@pytest.mark.parametrize("transport", ["grpc", "http"])
+def test_queue_shutdown_returns_within_deadline_on_blackhole(
+    blackhole_port: int, transport: str
+) -> None:
+    url = f"http://127.0.0.1:{blackhole_port}"
+    exp: SpanExporter = (
+        OtlpGrpcExporter(url, timeout_s=60) if transport == "grpc"
+        else OtlpHttpExporter(url + "/v1/traces", timeout_s=60)
+    )  # fmt: skip
+    metrics = Metrics()
+    q = fast_queue(exp, metrics, max_batch=10)
+    for s in make_spans(35):
+        q.submit(s)
+    q.start()
+    time.sleep(0.3)  # the first batch is now stuck in an export with a 60 s timeout
+    t0 = time.monotonic()
+    q.shutdown(1.0)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 1.3, elapsed
+    assert metrics.get("spans_dropped", reason="shutdown") == 35  # in flight + queued
+    assert metrics.get("spans_exported") == 0
+    t1 = time.monotonic()
+    q.shutdown(1.0)  # idempotent: returns at once
+    assert time.monotonic() - t1 < 0.1
+
+
+def test_queue_shutdown_survives_a_hung_exporter() -> None:
+    """An exporter that ignores its timeout entirely: shutdown still keeps its deadline, and
+    the batch counted as dropped is not counted again when the exporter finally returns."""
+    exp = InMemoryExporter()
+    exp.block()
+    metrics = Metrics()
+    q = fast_queue(exp, metrics, max_batch=4)
+    spans = make_spans(10)
+    for s in spans:
+        q.submit(s)
+    q.start()
+    assert exp.entered.wait(2)
+    t0 = time.monotonic()
+    q.shutdown(0.5)
+    assert time.monotonic() - t0 < 0.8
+    assert metrics.get("spans_dropped", reason="shutdown") == 10
+    exp.unblock()
+    time.sleep(0.1)
+    assert metrics.get("spans_exported") == 0
+    assert metrics.total("spans_dropped") == 10
+    assert exp.shut_down
+
+
+def test_queue_worker_stops_at_deadline_instead_of_sleeping_out_a_retry_after() -> None:
+    exp = InMemoryExporter()
+    exp.fail_next(100, ExportResult.retry("busy", retry_after_s=30))
+    metrics = Metrics()
+    q = fast_queue(exp, metrics)
+    q.submit(make_span(0))
+    q.start()
+    assert q.force_flush(0.2) is False  # waiting out the 30 s Retry-After
+    t0 = time.monotonic()
+    q.shutdown(0.5)
+    assert time.monotonic() - t0 < 0.8
+    assert q._thread is not None
+    q._thread.join(0.5)
+    assert not q._thread.is_alive()  # gave up the retry: it could not finish in time
+    assert metrics.get("spans_dropped", reason="shutdown") == 1
+    assert exp.calls == 1
+
+
+def test_queue_full_drops_are_counted_exactly() -> None:
+    metrics = Metrics()
+    exp = InMemoryExporter()
+    q = fast_queue(exp, metrics, max_queue_spans=10)
+    accepted = [q.submit(s) for s in make_spans(25)]
+    assert accepted == [True] * 10 + [False] * 15
+    assert metrics.get("spans_dropped", reason="queue_full") == 15
+    assert len(q) == 10
+    q.start()
+    q.shutdown(5)
+    assert metrics.get("spans_exported") == 10
+    assert len(exp.spans) == 10
+
+
+def test_queue_full_while_exporter_is_stuck() -> None:
+    """Memory is bounded by max_queue_spans plus the batch in flight."""
+    metrics = Metrics()
+    exp = InMemoryExporter()
+    exp.block()
+    q = fast_queue(exp, metrics, max_queue_spans=8, max_batch=4)
+    spans = make_spans(20)
+    for s in spans[:4]:
+        q.submit(s)
+    q.start()
+    assert exp.entered.wait(2)  # the first 4 are in flight
+    accepted = [q.submit(s) for s in spans[4:]]
+    assert accepted == [True] * 8 + [False] * 8
+    assert metrics.get("spans_dropped", reason="queue_full") == 8
+    exp.unblock()
+    assert q.force_flush(5)
+    q.shutdown(5)
+    assert [s.span_id for s in exp.spans] == [s.span_id for s in spans[:12]]
+    assert metrics.get("spans_exported") == 12
+
+
+def test_queue_retries_then_gives_up_and_backs_off() -> None:
+    metrics = Metrics()
+    exp = InMemoryExporter()
+    exp.fail_next(3)
+    q = fast_queue(exp, metrics, max_retries=2)
+    for s in make_spans(5):
+        q.submit(s)
+    q.start()
+    assert q.force_flush(5)
+    assert metrics.get("export_retries") == 2
+    assert metrics.get("export_failures") == 1
+    assert metrics.get("spans_dropped", reason="export_failed") == 5
+    # Three calls (1 + 2 retries) used the three failures up: the next batch goes through.
+    for s in make_spans(3):
+        q.submit(s)
+    assert q.force_flush(5)
+    q.shutdown(5)
+    assert metrics.get("spans_exported") == 3
+    assert exp.calls == 4
+
+
+def test_queue_permanent_failure_is_not_retried() -> None:
+    metrics = Metrics()
+    exp = InMemoryExporter()
+    exp.fail_next(1, ExportResult.fail("bad request"))
+    q = fast_queue(exp, metrics)
+    for s in make_spans(6):
+        q.submit(s)
+    q.start()
+    q.shutdown(5)
+    assert exp.calls == 1
+    assert metrics.get("export_retries") == 0
+    assert metrics.get("spans_dropped", reason="export_failed") == 6
+
+
+def test_queue_max_elapsed_caps_retrying() -> None:
+    metrics = Metrics()
+    exp = InMemoryExporter()
+    exp.fail_next(1000)
+    q = fast_queue(exp, metrics, max_retries=1000, max_elapsed_s=0.2)
+    q.submit(make_span(0))
+    q.start()
+    t0 = time.monotonic()
+    assert q.force_flush(5)
+    assert time.monotonic() - t0 < 1.0
+    assert metrics.get("export_failures") == 1
+    q.shutdown(1)
+
+
+def test_queue_backoff_is_exponential_jittered_and_capped() -> None:
+    q = BatchExportQueue(
+        InMemoryExporter(), Metrics(), initial_backoff_s=0.5, max_backoff_s=4.0,
+        rng=random.Random(3),
+    )  # fmt: skip
+    for attempt, cap in [(0, 0.5), (1, 1.0), (2, 2.0), (3, 4.0), (10, 4.0)]:
+        delays = [q._backoff(attempt, None) for _ in range(200)]
+        assert all(cap / 2 <= d <= cap for d in delays)
+        assert max(delays) - min(delays) > cap / 4  # jittered, not constant
+    assert q._backoff(5, 12.0) == 12.0  # the server's Retry-After wins
+
+
+def test_queue_exports_during_shutdown_with_a_bounded_timeout() -> None:
+    metrics = Metrics()
+    exp = InMemoryExporter()
+    q = fast_queue(exp, metrics, flush_interval_s=30, max_batch=1000)
+    for s in make_spans(3):
+        q.submit(s)
+    q.start()
+    q.shutdown(2.0)  # the flush interval is far off: shutdown itself flushes
+    assert metrics.get("spans_exported") == 3
+    assert exp.timeouts and exp.timeouts[-1] is not None and 0 < exp.timeouts[-1] <= 2.0
+
+
+def test_queue_lifecycle_is_safe() -> None:
+    metrics = Metrics()
+    exp = InMemoryExporter()
+    q = fast_queue(exp, metrics)
+    q.shutdown(1)  # without start
+    q.shutdown(1)
+    assert exp.shut_down
+    q.start()  # after shutdown: no-op
+    assert not q.submit(make_span(0))
+    assert metrics.get("spans_dropped", reason="shutdown") == 1
+
+    q2 = fast_queue(InMemoryExporter(), metrics, name="x")
+    q2.submit(make_span(1))
+    q2.shutdown(1)  # never started: what was queued is counted, not silently lost
+    assert metrics.get("spans_dropped", reason="shutdown", exporter="x") == 1
+
+
+def test_queue_batches_by_size_and_interval() -> None:
+    metrics = Metrics()
+    exp = InMemoryExporter()
+    q = fast_queue(exp, metrics, max_batch=8, flush_interval_s=0.1)
+    q.start()
+    for s in make_spans(20):
+        q.submit(s)
+    deadline = time.monotonic() + 3
+    while len(exp.spans) < 20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    q.shutdown(1)
+    assert sum(exp.batch_sizes) == 20
+    assert max(exp.batch_sizes) <= 8
+    assert metrics.get("spans_exported") == 20
+
+
+def test_fanout_file_and_grpc_side_by_side(tmp_path: Path, grpc_collector: GrpcCollector) -> None:
+    metrics = Metrics()
+    path = tmp_path / "out.jsonl"
+    fo = fanout(
+        {"file": JsonLinesFileExporter(path), "otlp": OtlpGrpcExporter(grpc_collector.endpoint)},
+        metrics,
+        flush_interval_s=0.05,
+    )
+    assert isinstance(fo, FanoutQueue)
+    spans = make_spans(15)
+    fo.start()
+    assert all(fo.submit(s) for s in spans)
+    assert fo.force_flush(5)
+    fo.shutdown(2)
+    fo.shutdown(2)
+    assert_same_request(grpc_collector.received(), reference_request(spans))
+    from_file = _concat(*(decode_request_json(line) for line in path.read_text().splitlines()))
+    assert sum(len(rs.scope_spans[0].spans) for rs in from_file.resource_spans) == 15
+    assert metrics.get("spans_exported", exporter="file") == 15
+    assert metrics.get("spans_exported", exporter="otlp") == 15
+
+
+def test_fanout_shutdown_shares_one_deadline() -> None:
+    """Two hung destinations stop together within one deadline, not one after the other."""
+    metrics = Metrics()
+    a, b = InMemoryExporter(), InMemoryExporter()
+    a.block()
+    b.block()
+    fo = fanout([("a", a), ("b", b)], metrics, flush_interval_s=0.01)
+    fo.start()
+    fo.submit(make_span(0))
+    assert a.entered.wait(2) and b.entered.wait(2)
+    t0 = time.monotonic()
+    fo.shutdown(0.5)
+    assert time.monotonic() - t0 < 0.8
+    assert metrics.get("spans_dropped", reason="shutdown", exporter="a") == 1
+    assert metrics.get("spans_dropped", reason="shutdown", exporter="b") == 1
+    a.unblock()
+    b.unblock()
+
+
+def test_inmemory_exporter_satisfies_protocol() -> None:
+    for exp in (
+        InMemoryExporter(),
+        ConsoleExporter(io.StringIO()),
+        JsonLinesFileExporter("/nonexistent/never-opened"),
+    ):
+        assert isinstance(exp, SpanExporter)
+    assert ExportResult.SUCCESS.ok and ExportResult.retry("x").retryable
+    assert trace_service_pb2.DESCRIPTOR.package == "opentelemetry.proto.collector.trace.v1"
