@@ -702,8 +702,14 @@ static __always_inline int step_req(struct scratch *s, struct conn *c, struct ht
         s->off = s->total;
         return STEP_STOP;
     }
-    if (i >= s->n)
-        return STEP_STOP;           /* bytes we could not copy: stop rather than guess */
+    if (i >= s->n) {
+        if (s->total > s->n) {      /* headers go on past what we could copy: the window */
+            rec->flags |= REQF_TP_WINDOW;
+            c->rq_state = RQ_OVERFLOW;
+            return STEP_GO;
+        }
+        return STEP_STOP;
+    }
     if (c->rq_scanned >= HDR_WINDOW) {
         rec->flags |= REQF_TP_WINDOW;
         c->rq_state = RQ_OVERFLOW;
@@ -822,8 +828,8 @@ int scan_req(void *ctx)
             carry_prefix(s, c);
             return 0;   /* keep the arrival time: the request has begun to arrive */
         }
-        c->rq_plen = 0;
         if (!mlen) {
+            c->rq_plen = 0;
             if (!(c->flags & CONN_SEEN_REQ)) {
                 count(CNT_NON_HTTP);
                 c->flags |= CONN_IGNORED;
@@ -1041,8 +1047,14 @@ int scan_resp(void *ctx)
         c->rs_state = RS_STATUS;
         return 0;
     }
-    if (!rec->resp_start_ns)
+    if (!rec->resp_start_ns) {
         rec->resp_start_ns = s->now;
+        /* The server answers the latest request: whatever its headers did, it has been read.
+         * A parser that lost the header end (window, unframed body) restarts here. */
+        u8 rq = c->rq_state;
+        if (c->head + 1 == c->tail && rq != RQ_NONE && rq != RQ_BODY)
+            c->rq_state = RQ_NONE;
+    }
     int r = STEP_GO;
 #pragma unroll 1
     for (int iter = 0; iter < SCAN_CHUNK; iter++) {

@@ -62,6 +62,8 @@ def test_sample_touching_window_edge_is_not_counted() -> None:
     s = series([(1, 0.9), (2, 0.1), (3, 0.9)])
     st_ = window_stats(s, at(1), at(2))
     assert st_ == Stats(0.1, 0.1, S)
+    assert gj.overlaps(s, at(1), at(2)) == [(1, S)]
+    assert gj.overlaps(s, at(3), at(4)) == []  # touches the last sample's end only
 
 
 def test_span_shorter_than_one_sample_period_gets_covering_sample() -> None:
@@ -684,6 +686,7 @@ def test_sampler_thread_samples_and_join_attaches() -> None:
     time.sleep(0.06)
     assert metrics.get("gpu_samples_total", device="0") == n  # the thread has stopped
     sampler.shutdown()  # idempotent
+    assert fake.calls["nvmlShutdown"] == 1
     sampler.start()  # no restart after shutdown
     time.sleep(0.06)
     assert metrics.get("gpu_samples_total", device="0") == n

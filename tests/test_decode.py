@@ -1,0 +1,83 @@
+"""The ctypes mirror matches bpf/http_record.h byte for byte, and the decoder counts bad input."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent.decode import REC_HTTP, HttpRecord, RecordDecoder
+from agent.metrics import Metrics
+from agent.probes import bpf_source_dir
+
+FIELDS = [name for name, _ in HttpRecord._fields_]
+
+
+@pytest.fixture(scope="module")
+def c_layout(tmp_path_factory) -> dict[str, int]:
+    """sizeof and offsetof of every field, as the C compiler lays out the contract header."""
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler (cc) to compile the layout probe")
+    d = tmp_path_factory.mktemp("layout")
+    src = d / "layout.c"
+    lines = ["#include <stdio.h>", "#include <stddef.h>", "#include <linux/types.h>",
+             '#include "http_record.h"', "int main(void) {",
+             'printf("sizeof %zu\\n", sizeof(struct http_record));']
+    lines += [f'printf("{f} %zu\\n", offsetof(struct http_record, {f}));' for f in FIELDS]
+    lines += ["return 0; }"]
+    src.write_text("\n".join(lines))
+    exe = d / "layout"
+    subprocess.run(["cc", f"-I{bpf_source_dir()}", "-o", str(exe), str(src)], check=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    return {k: int(v) for k, v in (line.split() for line in out.splitlines())}
+
+
+def test_size_and_every_offset_match_c(c_layout):
+    assert ctypes.sizeof(HttpRecord) == c_layout["sizeof"]
+    for name in FIELDS:
+        assert getattr(HttpRecord, name).offset == c_layout[name], name
+
+
+def test_padding_is_explicit():
+    # every byte is a named field: no compiler-inserted holes
+    end = 0
+    for name, ctype in HttpRecord._fields_:
+        assert getattr(HttpRecord, name).offset == end, name
+        end += ctypes.sizeof(ctype)
+    assert end == ctypes.sizeof(HttpRecord)
+
+
+def test_bpf_sources_ship_with_the_package():
+    assert (bpf_source_dir() / "http.c").is_file()
+    assert (bpf_source_dir() / "http_record.h").is_file()
+    assert Path(str(bpf_source_dir())).is_absolute()
+
+
+def test_decoder_counts_bad_records():
+    m = Metrics()
+    dec = RecordDecoder(m)
+    assert dec.decode(b"") is None
+    assert dec.decode(bytes([99]) + b"\0" * 600) is None
+    assert dec.decode(bytes([REC_HTTP]) + b"\0" * 10) is None
+    assert m.get("decode_errors", reason="empty") == 1
+    assert m.get("decode_errors", reason="unknown_type") == 1
+    assert m.get("decode_errors", reason="short") == 1
+    good = bytearray(ctypes.sizeof(HttpRecord))
+    good[0] = REC_HTTP
+    assert isinstance(dec.decode(bytes(good)), HttpRecord)
+
+
+@given(st.binary(max_size=2 * ctypes.sizeof(HttpRecord)))
+def test_decoder_never_raises(data):
+    dec = RecordDecoder(Metrics())
+    rec = dec.decode(data)
+    if rec is not None:
+        assert isinstance(rec, HttpRecord)
+        rec.method_str()
+        rec.path_bytes()
+        rec.traceparent_bytes()
