@@ -8,7 +8,13 @@ import threading
 import time
 from typing import TextIO
 
-from agent.cli import _builder_factory, _file_destination, _otlp_destination, install_signal_handlers
+from agent.cli import (
+    _builder_factory,
+    _file_destination,
+    _otlp_destination,
+    install_signal_handlers,
+    start_gpu_sampler,
+)
 from agent.config import Settings
 from agent.decode import HttpRecord
 from agent.metrics import Metrics
@@ -22,10 +28,15 @@ SPANS_FILE = "spans.otlp.jsonl"
 
 def _status_line(m: Metrics, elapsed: float, duration: float | None) -> str:
     left = f", {max(0.0, duration - elapsed):.0f}s left" if duration else ""
-    lost = m.get("kernel_ringbuf_full") + m.total("spans_dropped") + m.total(
-        "records_dropped_userspace")
-    return (f"requests {int(m.get('requests_seen'))}  spans {int(m.get('spans_built'))}  "
-            f"lost {int(lost)}  elapsed {elapsed:.0f}s{left}")
+    lost = (
+        m.get("kernel_ringbuf_full")
+        + m.total("spans_dropped")
+        + m.total("records_dropped_userspace")
+    )
+    return (
+        f"requests {int(m.get('requests_seen'))}  spans {int(m.get('spans_built'))}  "
+        f"lost {int(lost)}  elapsed {elapsed:.0f}s{left}"
+    )
 
 
 def run_capture(s: Settings, probe_config: ProbeConfig, out: TextIO | None = None) -> int:
@@ -47,8 +58,15 @@ def run_capture(s: Settings, probe_config: ProbeConfig, out: TextIO | None = Non
         with lock:
             summary.add_span(spans[0])
 
-    pipeline = Pipeline(probe_config, _builder_factory(s, metrics), destinations, metrics,
-                        on_spans=on_spans)
+    gpu = start_gpu_sampler(s, metrics)
+    gpu_join = gpu.join if gpu is not None else None
+    pipeline = Pipeline(
+        probe_config,
+        _builder_factory(s, metrics, gpu_join),
+        destinations,
+        metrics,
+        on_spans=on_spans,
+    )
     stop = threading.Event()
     install_signal_handlers(stop)
     t0 = time.monotonic()
@@ -61,8 +79,12 @@ def run_capture(s: Settings, probe_config: ProbeConfig, out: TextIO | None = Non
     for name, state in pipeline.probes.status.signals.items():
         if state != "on":
             print(f"note: {name} {state}", file=out)
-    print(f"capturing (probes ready in {pipeline.probes.status.load_seconds:.1f}s; TLB signal: "
-          f"{pipeline.probes.status.tlb_mode}); Ctrl-C to stop", file=out, flush=True)
+    print(
+        f"capturing (probes ready in {pipeline.probes.status.load_seconds:.1f}s; TLB signal: "
+        f"{pipeline.probes.status.tlb_mode}); Ctrl-C to stop",
+        file=out,
+        flush=True,
+    )
     last_line = 0.0
     try:
         while not stop.is_set():
@@ -80,10 +102,11 @@ def run_capture(s: Settings, probe_config: ProbeConfig, out: TextIO | None = Non
             stop.wait(0.5)
     finally:
         pipeline.shutdown(5.0)
+        if gpu is not None:
+            gpu.shutdown()
     if tty:
         out.write("\n")
-    counters = {k: v for k, vals in metrics.snapshot().items() for labels, v in vals
-                if not labels}
+    counters = {k: v for k, vals in metrics.snapshot().items() for labels, v in vals if not labels}
     counters["spans_dropped"] = metrics.total("spans_dropped")
     counters["records_dropped_userspace"] = metrics.total("records_dropped_userspace")
     counters["decode_errors"] = metrics.total("decode_errors")

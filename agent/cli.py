@@ -35,9 +35,11 @@ def main(verbose: bool) -> None:
     tracejoin run        the agent (a DaemonSet): export until SIGTERM
     tracejoin report     the capture summary again, from saved files
     """
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
 
 
 # ------------------------------------------------------------------------------- doctor
@@ -45,8 +47,12 @@ def main(verbose: bool) -> None:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--disable-tracepoint", multiple=True, envvar="TRACEJOIN_DISABLE_TRACEPOINTS",
-              help="Treat this tracepoint as absent (repeatable).")
+@click.option(
+    "--disable-tracepoint",
+    multiple=True,
+    envvar="TRACEJOIN_DISABLE_TRACEPOINTS",
+    help="Treat this tracepoint as absent (repeatable).",
+)
 def doctor(as_json: bool, disable_tracepoint: tuple[str, ...]) -> None:
     """Check every signal tracejoin offers: available, fallback (which), or unavailable (why,
     and what would fix it). Exits 0 when the core pipeline can run."""
@@ -68,9 +74,13 @@ def _probe_config(s: Settings) -> ProbeConfig:
     if unknown:
         raise click.BadParameter(
             f"{', '.join(unknown)} is not an optional tracepoint (choose from "
-            f"{', '.join(OPTIONAL_TRACEPOINTS)})", param_hint="--disable-tracepoint")
+            f"{', '.join(OPTIONAL_TRACEPOINTS)})",
+            param_hint="--disable-tracepoint",
+        )
     return ProbeConfig(
-        pids=s.pid, ports=s.port, comm=s.comm,
+        pids=s.pid,
+        ports=s.port,
+        comm=s.comm,
         runq_threshold_ns=int(s.runq_threshold_ms * 1e6),
         disabled_tracepoints=frozenset(s.disable_tracepoint),
         tlb_hardware={"auto": None, "hardware": True, "flush": False}[s.tlb],
@@ -82,15 +92,19 @@ def _otlp_destination(s: Settings, metrics: Metrics) -> Any | None:
     from exporters.config import exporter_from_env
     from exporters.queue import BatchExportQueue
 
-    env = dict(os.environ)
-    if s.otlp_endpoint:
-        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = s.otlp_endpoint
-    if s.otlp_protocol:
-        env["OTEL_EXPORTER_OTLP_PROTOCOL"] = s.otlp_protocol
-    if not (env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+    env = os.environ
+    if not (
+        s.otlp_endpoint
+        or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    ):
         return None
+    # the flag wins over the OTEL_* variables; errors name the flag's key
+    overrides = {"endpoint": s.otlp_endpoint, "protocol": s.otlp_protocol}
+    if s.otlp_endpoint:
+        overrides["traces_endpoint"] = None
     try:
-        exporter = exporter_from_env(env)
+        exporter = exporter_from_env(env, overrides)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     return BatchExportQueue(exporter, metrics, max_queue_spans=s.queue_size, name="otlp")
@@ -100,20 +114,46 @@ def _file_destination(path: Path, s: Settings, metrics: Metrics) -> Any:
     from exporters.file_sender import JsonLinesFileExporter
     from exporters.queue import BatchExportQueue
 
-    return BatchExportQueue(JsonLinesFileExporter(path), metrics, max_queue_spans=s.queue_size,
-                            name="file", flush_interval_s=0.5)
+    return BatchExportQueue(
+        JsonLinesFileExporter(path),
+        metrics,
+        max_queue_spans=s.queue_size,
+        name="file",
+        flush_interval_s=0.5,
+    )
 
 
-def _builder_factory(s: Settings, metrics: Metrics, gpu_join: Any = None,
-                     resource_for_pid: Any = None) -> Any:
+def start_gpu_sampler(s: Settings, metrics: Metrics) -> Any:
+    """The NVML sampler when --gpu and NVML works; None otherwise (reported, never fatal)."""
+    if not s.gpu:
+        return None
+    from agent.gpu_sampler import GpuSampler
+
+    sampler = GpuSampler(metrics, interval_s=1.0 / s.gpu_sample_hz)
+    status = sampler.start()
+    if not status.available:
+        log.info("GPU signal off: %s", status.reason)
+        sampler.shutdown()
+        return None
+    return sampler
+
+
+def _builder_factory(
+    s: Settings, metrics: Metrics, gpu_join: Any = None, resource_for_pid: Any = None
+) -> Any:
     from agent.spans import SpanBuilder
 
     def make(tlb_mode: str) -> SpanBuilder:
-        return SpanBuilder(metrics, service_name=s.service_name, no_parent=s.no_parent,
-                           unsampled=s.unsampled,
-                           runq_child_threshold_ns=int(s.runq_threshold_ms * 1e6),
-                           tlb_mode=tlb_mode, gpu_join=gpu_join,
-                           resource_for_pid=resource_for_pid)
+        return SpanBuilder(
+            metrics,
+            service_name=s.service_name,
+            no_parent=s.no_parent,
+            unsampled=s.unsampled,
+            runq_child_threshold_ns=int(s.runq_threshold_ms * 1e6),
+            tlb_mode=tlb_mode,
+            gpu_join=gpu_join,
+            resource_for_pid=resource_for_pid,
+        )
 
     return make
 
@@ -126,7 +166,8 @@ def _require_root() -> None:
         if missing:
             raise click.ClickException(
                 f"missing capabilities {', '.join(missing)}: run as root or grant them "
-                "(see docs/operations.md)")
+                "(see docs/operations.md)"
+            )
 
 
 # ------------------------------------------------------------------------------- capture
@@ -158,15 +199,25 @@ def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None)
 
 
 @main.command()
-@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
-              callback=_load_config, is_eager=True, expose_value=False,
-              envvar="TRACEJOIN_CONFIG",
-              help="YAML file of settings (keys as the flags, with underscores). "
-                   "Flags > environment > file > defaults. [env: TRACEJOIN_CONFIG]")
-@click.option("--spans-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              envvar="TRACEJOIN_SPANS_FILE",
-              help="Write OTLP-JSON lines here (the default destination when no OTLP "
-                   "endpoint is set). [env: TRACEJOIN_SPANS_FILE]")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, dir_okay=False),
+    callback=_load_config,
+    is_eager=True,
+    expose_value=False,
+    envvar="TRACEJOIN_CONFIG",
+    help="YAML file of settings (keys as the flags, with underscores). "
+    "Flags > environment > file > defaults. [env: TRACEJOIN_CONFIG]",
+)
+@click.option(
+    "--spans-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    envvar="TRACEJOIN_SPANS_FILE",
+    help="Write OTLP-JSON lines here (the default destination when no OTLP "
+    "endpoint is set). [env: TRACEJOIN_SPANS_FILE]",
+)
 @apply_options("run")
 def run(spans_file: Path | None, **params: Any) -> None:
     """Run the agent until SIGTERM/SIGINT: export one span per request, serve /healthz,

@@ -32,50 +32,138 @@ class Opt:
 
 ENV = "TRACEJOIN_"
 OPTIONS: tuple[Opt, ...] = (
-    Opt("pid", int, (), "Only requests served by this process id (repeatable).",
-        ENV + "PIDS", multiple=True),
-    Opt("port", click.IntRange(1, 65535), (), "Only requests on this local TCP port "
-        "(repeatable).", ENV + "PORTS", multiple=True),
-    Opt("comm", str, None, "Only requests served by processes with this name (comm, 15 chars).",
-        ENV + "COMM"),
-    Opt("service_name", str, None, "service.name for all spans (default: the process name).",
-        "OTEL_SERVICE_NAME"),
-    Opt("otlp_endpoint", str, None, "Also send spans to this OTLP endpoint (e.g. "
-        "http://jaeger:4317).", "OTEL_EXPORTER_OTLP_ENDPOINT"),
-    Opt("otlp_protocol", click.Choice(["grpc", "http/protobuf"]), None,
-        "OTLP transport (default grpc; http/protobuf posts to <endpoint>/v1/traces).",
-        "OTEL_EXPORTER_OTLP_PROTOCOL"),
-    Opt("no_parent", click.Choice(["root", "skip"]), "root",
+    Opt(
+        "pid",
+        int,
+        (),
+        "Only requests served by this process id (repeatable).",
+        ENV + "PIDS",
+        multiple=True,
+    ),
+    Opt(
+        "port",
+        click.IntRange(1, 65535),
+        (),
+        "Only requests on this local TCP port (repeatable).",
+        ENV + "PORTS",
+        multiple=True,
+    ),
+    Opt(
+        "comm",
+        str,
+        None,
+        "Only requests served by processes with this name (comm, 15 chars).",
+        ENV + "COMM",
+    ),
+    Opt(
+        "service_name",
+        str,
+        None,
+        "service.name for all spans (default: the process name).",
+        "OTEL_SERVICE_NAME",
+    ),
+    Opt(
+        "otlp_endpoint",
+        str,
+        None,
+        "Also send spans to this OTLP endpoint (e.g. http://jaeger:4317).",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+    ),
+    Opt(
+        "otlp_protocol",
+        click.Choice(["grpc", "http/protobuf"]),
+        None,
+        "OTLP transport (default http/protobuf, the OTLP spec's default: posts to "
+        "<endpoint>/v1/traces; grpc for port 4317).",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+    ),
+    Opt(
+        "no_parent",
+        click.Choice(["root", "skip"]),
+        "root",
         "Requests without a valid traceparent: start a new trace (root) or emit nothing.",
-        ENV + "NO_PARENT"),
-    Opt("unsampled", click.Choice(["follow", "record"]), "follow",
+        ENV + "NO_PARENT",
+    ),
+    Opt(
+        "unsampled",
+        click.Choice(["follow", "record"]),
+        "follow",
         "Requests whose caller did not sample (flags & 1 == 0): follow it (no span) or record.",
-        ENV + "UNSAMPLED"),
-    Opt("runq_threshold_ms", click.FloatRange(0.01, 10_000), 1.0,
-        "Run-queue waits at least this long become child spans.", ENV + "RUNQ_THRESHOLD_MS"),
-    Opt("tlb", click.Choice(["auto", "hardware", "flush"]), "auto",
+        ENV + "UNSAMPLED",
+    ),
+    Opt(
+        "runq_threshold_ms",
+        click.FloatRange(0.01, 10_000),
+        1.0,
+        "Run-queue waits at least this long become child spans.",
+        ENV + "RUNQ_THRESHOLD_MS",
+    ),
+    Opt(
+        "tlb",
+        click.Choice(["auto", "hardware", "flush"]),
+        "auto",
         "TLB signal: hardware dTLB/iTLB misses when the PMU opens (auto), or force one.",
-        ENV + "TLB"),
-    Opt("disable_tracepoint", str, (), "Treat this optional tracepoint as absent, e.g. "
-        "sched:sched_switch (repeatable).", ENV + "DISABLE_TRACEPOINTS", multiple=True),
+        ENV + "TLB",
+    ),
+    Opt(
+        "disable_tracepoint",
+        str,
+        (),
+        "Treat this optional tracepoint as absent, e.g. sched:sched_switch (repeatable).",
+        ENV + "DISABLE_TRACEPOINTS",
+        multiple=True,
+    ),
     Opt("gpu", bool, True, "Join NVML GPU samples to spans when NVML is present.", ENV + "GPU"),
-    Opt("gpu_sample_hz", click.FloatRange(0.1, 50), 4.0, "GPU sampling rate.",
-        ENV + "GPU_SAMPLE_HZ"),
-    Opt("queue_size", click.IntRange(64, 10_000_000), 20_000,
+    Opt(
+        "gpu_sample_hz", click.FloatRange(0.1, 50), 4.0, "GPU sampling rate.", ENV + "GPU_SAMPLE_HZ"
+    ),
+    Opt(
+        "queue_size",
+        click.IntRange(64, 10_000_000),
+        20_000,
         "Spans held for export per destination; beyond it spans are dropped and counted.",
-        ENV + "QUEUE_SIZE"),
-    Opt("duration", click.FloatRange(0.1, None), None,
-        "Seconds to capture (default: until Ctrl-C).", ENV + "DURATION", commands=("capture",)),
-    Opt("output_dir", click.Path(file_okay=False, path_type=Path), Path("tracejoin-capture"),
-        "Directory for the capture's files.", ENV + "OUTPUT_DIR", commands=("capture",)),
-    Opt("metrics_port", click.IntRange(0, 65535), 9464,
-        "Port for /healthz, /readyz and /metrics (0: off).", ENV + "METRICS_PORT",
-        commands=("run",)),
-    Opt("metrics_address", str, "0.0.0.0", "Address the metrics server binds.",
-        ENV + "METRICS_ADDRESS", commands=("run",)),
-    Opt("shutdown_timeout", click.FloatRange(0.5, 60), 5.0,
-        "Seconds SIGTERM may spend flushing spans before exiting.", ENV + "SHUTDOWN_TIMEOUT",
-        commands=("run",)),
+        ENV + "QUEUE_SIZE",
+    ),
+    Opt(
+        "duration",
+        click.FloatRange(0.1, None),
+        None,
+        "Seconds to capture (default: until Ctrl-C).",
+        ENV + "DURATION",
+        commands=("capture",),
+    ),
+    Opt(
+        "output_dir",
+        click.Path(file_okay=False, path_type=Path),
+        Path("tracejoin-capture"),
+        "Directory for the capture's files.",
+        ENV + "OUTPUT_DIR",
+        commands=("capture",),
+    ),
+    Opt(
+        "metrics_port",
+        click.IntRange(0, 65535),
+        9464,
+        "Port for /healthz, /readyz and /metrics (0: off).",
+        ENV + "METRICS_PORT",
+        commands=("run",),
+    ),
+    Opt(
+        "metrics_address",
+        str,
+        "0.0.0.0",
+        "Address the metrics server binds.",
+        ENV + "METRICS_ADDRESS",
+        commands=("run",),
+    ),
+    Opt(
+        "shutdown_timeout",
+        click.FloatRange(0.5, 60),
+        5.0,
+        "Seconds SIGTERM may spend flushing spans before exiting.",
+        ENV + "SHUTDOWN_TIMEOUT",
+        commands=("run",),
+    ),
 )
 BY_KEY = {o.key: o for o in OPTIONS}
 
@@ -118,14 +206,25 @@ def apply_options(command: str) -> Callable[[Callable[..., Any]], Callable[..., 
         for opt in reversed([o for o in OPTIONS if command in o.commands]):
             env = f" [env: {opt.envvar}]" if opt.envvar else ""
             if opt.type is bool:
-                fn = click.option(f"{opt.flag}/--no-{opt.flag[2:]}", opt.key, default=opt.default,
-                                  envvar=opt.envvar, show_default=True,
-                                  help=opt.help + env)(fn)
+                fn = click.option(
+                    f"{opt.flag}/--no-{opt.flag[2:]}",
+                    opt.key,
+                    default=opt.default,
+                    envvar=opt.envvar,
+                    show_default=True,
+                    help=opt.help + env,
+                )(fn)
             else:
-                fn = click.option(opt.flag, opt.key, type=opt.type, default=opt.default,
-                                  envvar=opt.envvar, multiple=opt.multiple,
-                                  show_default=opt.default not in (None, ()),
-                                  help=opt.help + env)(fn)
+                fn = click.option(
+                    opt.flag,
+                    opt.key,
+                    type=opt.type,
+                    default=opt.default,
+                    envvar=opt.envvar,
+                    multiple=opt.multiple,
+                    show_default=opt.default not in (None, ()),
+                    help=opt.help + env,
+                )(fn)
         return fn
 
     return deco

@@ -77,8 +77,12 @@ class ConnectionTable:
 
     def endpoints(self, rec: HttpRecord) -> Endpoints | None:
         if rec.flags & REQF_TUPLE:
-            return Endpoints(_addr(rec.family, bytes(rec.laddr)), rec.lport,
-                             _addr(rec.family, bytes(rec.raddr)), rec.rport)
+            return Endpoints(
+                _addr(rec.family, bytes(rec.laddr)),
+                rec.lport,
+                _addr(rec.family, bytes(rec.raddr)),
+                rec.rport,
+            )
         with self._lock:
             if rec.conn_id in self._cache:
                 return self._cache[rec.conn_id]
@@ -117,7 +121,7 @@ def _proc_addr(field: str, family: int) -> tuple[str, int]:
     host_hex, port_hex = field.split(":")
     raw = bytes.fromhex(host_hex)
     # /proc/net/tcp prints each 32-bit word in host (little-endian) order.
-    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return _addr(family, raw), int(port_hex, 16)
 
 
@@ -163,8 +167,9 @@ def read_process(pid: int) -> ProcessInfo:
     return ProcessInfo(pid, comm, exe, "")
 
 
-def sampling_decision(ctx: traceparent.TraceParent | str | None, metrics: Metrics,
-                      no_parent: str, unsampled: str) -> str:
+def sampling_decision(
+    ctx: traceparent.TraceParent | str | None, metrics: Metrics, no_parent: str, unsampled: str
+) -> str:
     """'child', 'root' or 'drop' for one request, counting rejections by reason."""
     if isinstance(ctx, traceparent.TraceParent):
         if ctx.sampled or unsampled == "record":

@@ -9,7 +9,13 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from agent.cli import _builder_factory, _file_destination, _otlp_destination, install_signal_handlers
+from agent.cli import (
+    _builder_factory,
+    _file_destination,
+    _otlp_destination,
+    install_signal_handlers,
+    start_gpu_sampler,
+)
 from agent.config import Settings
 from agent.metrics import Metrics
 from agent.pipeline import Pipeline
@@ -37,8 +43,7 @@ class HealthServer:
                     self._send(200 if ready else 503, "ready\n" if ready else "starting\n")
                 elif self.path == "/metrics":
                     server.pipeline.kernel_counters()
-                    self._send(200, server.metrics.prometheus_text(),
-                               "text/plain; version=0.0.4")
+                    self._send(200, server.metrics.prometheus_text(), "text/plain; version=0.0.4")
                 else:
                     self._send(404, "not found\n")
 
@@ -59,8 +64,9 @@ class HealthServer:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True,
-                                        name="tracejoin-health")
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, daemon=True, name="tracejoin-health"
+        )
         self._thread.start()
 
     def shutdown(self) -> None:
@@ -78,7 +84,9 @@ def run_daemon(s: Settings, probe_config: ProbeConfig, spans_file: Path | None) 
         destinations.append(otlp)
     if spans_file is not None or otlp is None:
         destinations.append(_file_destination(spans_file or DEFAULT_SPANS_FILE, s, metrics))
-    pipeline = Pipeline(probe_config, _builder_factory(s, metrics), destinations, metrics)
+    gpu = start_gpu_sampler(s, metrics)
+    gpu_join = gpu.join if gpu is not None else None
+    pipeline = Pipeline(probe_config, _builder_factory(s, metrics, gpu_join), destinations, metrics)
     health = None
     if s.metrics_port:
         health = HealthServer(s.metrics_address, s.metrics_port, metrics, pipeline)
@@ -94,14 +102,19 @@ def run_daemon(s: Settings, probe_config: ProbeConfig, spans_file: Path | None) 
         if health:
             health.shutdown()
         return 2
-    log.info("ready: probes loaded in %.1fs; signals %s; TLB %s",
-             pipeline.probes.status.load_seconds, pipeline.probes.status.signals,
-             pipeline.probes.status.tlb_mode)
+    log.info(
+        "ready: probes loaded in %.1fs; signals %s; TLB %s",
+        pipeline.probes.status.load_seconds,
+        pipeline.probes.status.signals,
+        pipeline.probes.status.tlb_mode,
+    )
     while not stop.wait(1.0):
         pipeline.kernel_counters()
     t0 = time.monotonic()
     log.info("stopping: flushing for at most %.1fs", s.shutdown_timeout)
     pipeline.shutdown(s.shutdown_timeout)
+    if gpu is not None:
+        gpu.shutdown()
     if health:
         health.shutdown()
     log.info("stopped in %.2fs", time.monotonic() - t0)

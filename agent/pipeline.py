@@ -63,8 +63,9 @@ class Pipeline:
             dest.start()
         self.probes.start()
         self.builder = self._builder_factory(self.probes.status.tlb_mode)
-        self._reader = threading.Thread(target=self._read_loop, name="tracejoin-reader",
-                                        daemon=True)
+        self._reader = threading.Thread(
+            target=self._read_loop, name="tracejoin-reader", daemon=True
+        )
         self._reader.start()
         self.ready.set()
 
@@ -130,5 +131,14 @@ class Pipeline:
         except Exception:
             log.exception("final drain failed")
         self.probes.shutdown()
-        for dest in self.destinations:
-            dest.shutdown(max(0.1, deadline - time.monotonic()))
+        # destinations flush in parallel under one deadline: a hung one cannot starve another
+        stoppers = [
+            threading.Thread(
+                target=d.shutdown, args=(max(0.1, deadline - time.monotonic()),), daemon=True
+            )
+            for d in self.destinations
+        ]
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join(max(0.1, deadline - time.monotonic()))

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from agent.decode import CNT_MAX, KERNEL_COUNTERS
 from agent.metrics import Metrics
@@ -25,9 +26,21 @@ TRACEFS_CANDIDATES = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 
 # Tracepoints the HTTP pipeline cannot run without.
 REQUIRED_TRACEPOINTS: tuple[str, ...] = (
-    *(f"syscalls:sys_{d}_{c}" for c in ("read", "readv", "recvfrom", "recvmsg", "write",
-                                         "writev", "sendto", "sendmsg", "sendfile64")
-      for d in ("enter", "exit")),
+    *(
+        f"syscalls:sys_{d}_{c}"
+        for c in (
+            "read",
+            "readv",
+            "recvfrom",
+            "recvmsg",
+            "write",
+            "writev",
+            "sendto",
+            "sendmsg",
+            "sendfile64",
+        )
+        for d in ("enter", "exit")
+    ),
     "sock:sock_recv_length",
     "sock:sock_send_length",
     "sock:inet_sock_set_state",
@@ -45,13 +58,21 @@ class OptionalSignal:
 
 OPTIONAL_SIGNALS: tuple[OptionalSignal, ...] = (
     OptionalSignal("recvq", "WITH_RECVQ", ("sock:sk_data_ready",), "TCP receive-queue wait"),
-    OptionalSignal("tcp_stats", "WITH_TCPSTATS", ("tcp:tcp_retransmit_skb", "tcp:tcp_probe"),
-                   "retransmissions and smoothed RTT"),
-    OptionalSignal("sched", "WITH_SCHED",
-                   ("sched:sched_switch", "sched:sched_wakeup", "sched:sched_wakeup_new"),
-                   "run-queue delay and off-CPU time"),
-    OptionalSignal("tlb_flush", "WITH_TLB_FLUSH", ("tlb:tlb_flush",),
-                   "TLB flush counts (fallback when no PMU)"),
+    OptionalSignal(
+        "tcp_stats",
+        "WITH_TCPSTATS",
+        ("tcp:tcp_retransmit_skb", "tcp:tcp_probe"),
+        "retransmissions and smoothed RTT",
+    ),
+    OptionalSignal(
+        "sched",
+        "WITH_SCHED",
+        ("sched:sched_switch", "sched:sched_wakeup", "sched:sched_wakeup_new"),
+        "run-queue delay and off-CPU time",
+    ),
+    OptionalSignal(
+        "tlb_flush", "WITH_TLB_FLUSH", ("tlb:tlb_flush",), "TLB flush counts (fallback when no PMU)"
+    ),
 )
 OPTIONAL_TRACEPOINTS: tuple[str, ...] = tuple(
     tp for sig in OPTIONAL_SIGNALS for tp in sig.tracepoints
@@ -119,8 +140,9 @@ class HttpProbes:
     """The kernel half of the pipeline. start() compiles and attaches; poll() delivers raw
     records to `sink`; shutdown() detaches everything (idempotent, safe without start)."""
 
-    def __init__(self, config: ProbeConfig, metrics: Metrics,
-                 sink: Callable[[bytes], None]) -> None:
+    def __init__(
+        self, config: ProbeConfig, metrics: Metrics, sink: Callable[[bytes], None]
+    ) -> None:
         self.config = config
         self.metrics = metrics
         self.sink = sink
@@ -132,18 +154,24 @@ class HttpProbes:
 
     def _plan(self) -> list[str]:
         cfg = self.config
-        missing = [tp for tp in REQUIRED_TRACEPOINTS
-                   if not tracepoint_exists(tp, cfg.disabled_tracepoints)]
+        missing = [
+            tp for tp in REQUIRED_TRACEPOINTS if not tracepoint_exists(tp, cfg.disabled_tracepoints)
+        ]
         if tracefs_root() is None:
-            raise ProbeError("tracefs is not mounted: run `mount -t tracefs tracefs "
-                             "/sys/kernel/tracing` (or mount it into the container)")
+            raise ProbeError(
+                "tracefs is not mounted: run `mount -t tracefs tracefs "
+                "/sys/kernel/tracing` (or mount it into the container)"
+            )
         if missing:
-            raise ProbeError(f"required tracepoint(s) missing: {', '.join(missing)}; "
-                             "this kernel cannot run tracejoin (see `tracejoin doctor`)")
+            raise ProbeError(
+                f"required tracepoint(s) missing: {', '.join(missing)}; "
+                "this kernel cannot run tracejoin (see `tracejoin doctor`)"
+            )
         defines = [f"-DNCPU={_ncpus()}", f"-DRUNQ_THRESHOLD_NS={int(cfg.runq_threshold_ns)}"]
         for sig in OPTIONAL_SIGNALS:
-            absent = [tp for tp in sig.tracepoints
-                      if not tracepoint_exists(tp, cfg.disabled_tracepoints)]
+            absent = [
+                tp for tp in sig.tracepoints if not tracepoint_exists(tp, cfg.disabled_tracepoints)
+            ]
             if absent:
                 self.status.signals[sig.name] = f"off: tracepoint {', '.join(absent)} missing"
             else:
@@ -173,8 +201,9 @@ class HttpProbes:
         try:
             from bcc import BPF, PerfSWConfig, PerfType  # Debian's python3-bpfcc
         except ImportError as exc:
-            raise ProbeError(f"cannot import bcc ({exc}): install python3-bpfcc and run "
-                             "`make setup`") from exc
+            raise ProbeError(
+                f"cannot import bcc ({exc}): install python3-bpfcc and run `make setup`"
+            ) from exc
         t0 = time.monotonic()
         src, cflags = self.render()
         defines = [f for f in cflags if f.startswith("-D")]
@@ -184,7 +213,8 @@ class HttpProbes:
             raise ProbeError(
                 f"BPF compile/load failed: {exc}. Kernel headers must exist at "
                 f"/lib/modules/{os.uname().release}/build (run `make setup`, or mount the "
-                "host's /lib/modules and /usr/src)") from exc
+                "host's /lib/modules and /usr/src)"
+            ) from exc
         self._bpf = bpf
         for name, idx in (("scan_req", PROG_SCAN_REQ), ("scan_resp", PROG_SCAN_RESP)):
             fn = bpf.load_func(name.encode(), BPF.TRACEPOINT)
@@ -192,12 +222,18 @@ class HttpProbes:
         self._fill_filters(bpf)
         if "-DWITH_FAULTS" in defines:
             try:
-                bpf.attach_perf_event(ev_type=PerfType.SOFTWARE,
-                                      ev_config=PerfSWConfig.PAGE_FAULTS_MIN,
-                                      fn_name=b"on_minflt", sample_period=1)
-                bpf.attach_perf_event(ev_type=PerfType.SOFTWARE,
-                                      ev_config=PerfSWConfig.PAGE_FAULTS_MAJ,
-                                      fn_name=b"on_majflt", sample_period=1)
+                bpf.attach_perf_event(
+                    ev_type=PerfType.SOFTWARE,
+                    ev_config=PerfSWConfig.PAGE_FAULTS_MIN,
+                    fn_name=b"on_minflt",
+                    sample_period=1,
+                )
+                bpf.attach_perf_event(
+                    ev_type=PerfType.SOFTWARE,
+                    ev_config=PerfSWConfig.PAGE_FAULTS_MAJ,
+                    fn_name=b"on_majflt",
+                    sample_period=1,
+                )
                 self.status.signals["page_faults"] = "on"
             except Exception as exc:
                 self.status.signals["page_faults"] = f"off: software perf events: {exc}"
@@ -253,8 +289,8 @@ class HttpProbes:
         """Live entries in the per-connection maps (for bound checks)."""
         if self._bpf is None:
             return {}
-        return {name: sum(1 for _ in self._bpf[name.encode()].keys())  # type: ignore[index]
-                for name in ("conns", "reqs", "threads")}
+        bpf: Any = self._bpf
+        return {name: len(list(bpf[name.encode()].keys())) for name in ("conns", "reqs", "threads")}
 
     def shutdown(self) -> None:
         bpf, self._bpf = self._bpf, None

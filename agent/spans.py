@@ -167,7 +167,8 @@ class SpanBuilder:
             attrs["tracejoin.tcp.handshake_to_first_read_ns"] = rec.read_ns - rec.est_ns
         if rec.resp_start_ns:
             attrs["tracejoin.http.time_to_first_response_byte_ns"] = max(
-                0, rec.resp_start_ns - rec.read_ns)
+                0, rec.resp_start_ns - rec.read_ns
+            )
         attrs["tracejoin.tcp.retransmits"] = rec.retrans
         if rec.srtt_us:
             attrs["tracejoin.tcp.srtt_us"] = rec.srtt_us
@@ -199,15 +200,29 @@ class SpanBuilder:
         resource = self.resource(rec.pid)
         span_id = self._new_id(64)
         server = Span(
-            trace_id=trace_id, span_id=span_id, parent_span_id=parent_id,
-            name=f"{method} {route_of(path)}", kind=KIND_SERVER,
-            start_ns=start_ns, end_ns=end_ns, resource=resource, attributes=attrs,
-            status_code=status, status_message=message, trace_flags=flags,
+            trace_id=trace_id,
+            span_id=span_id,
+            parent_span_id=parent_id,
+            name=f"{method} {route_of(path)}",
+            kind=KIND_SERVER,
+            start_ns=start_ns,
+            end_ns=end_ns,
+            resource=resource,
+            attributes=attrs,
+            status_code=status,
+            status_message=message,
+            trace_flags=flags,
         )
         spans = [server]
         if "tracejoin.tcp.receive_queue_wait_ns" in attrs:
-            spans.append(self._child(server, "tcp.receive_queue_wait",
-                                     to_epoch(rec.arrival_ns), to_epoch(rec.read_ns)))
+            spans.append(
+                self._child(
+                    server,
+                    "tcp.receive_queue_wait",
+                    to_epoch(rec.arrival_ns),
+                    to_epoch(rec.read_ns),
+                )
+            )
         for w in rec.runq:
             if w.dur_ns >= self.runq_child_threshold_ns and w.start_ns:
                 s0 = to_epoch(w.start_ns)
@@ -216,8 +231,14 @@ class SpanBuilder:
 
     def _child(self, parent: Span, name: str, start_ns: int, end_ns: int) -> Span:
         return Span(
-            trace_id=parent.trace_id, span_id=self._new_id(64), parent_span_id=parent.span_id,
-            name=name, kind=KIND_INTERNAL, start_ns=start_ns, end_ns=end_ns,
-            resource=parent.resource, attributes={"tracejoin.interval.kernel_measured": True},
+            trace_id=parent.trace_id,
+            span_id=self._new_id(64),
+            parent_span_id=parent.span_id,
+            name=name,
+            kind=KIND_INTERNAL,
+            start_ns=start_ns,
+            end_ns=end_ns,
+            resource=parent.resource,
+            attributes={"tracejoin.interval.kernel_measured": True},
             trace_flags=parent.trace_flags,
         )

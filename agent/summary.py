@@ -45,10 +45,15 @@ class Summary:
         if span.kind != KIND_SERVER:
             return
         status = span.attributes.get("http.response.status_code", 0)
-        self.rows.append(Row(span.name, span.trace_id_hex, span.duration_ns,
-                             span.status_code == STATUS_ERROR or (
-                                 isinstance(status, int) and status >= 500),
-                             dict(span.attributes)))
+        self.rows.append(
+            Row(
+                span.name,
+                span.trace_id_hex,
+                span.duration_ns,
+                span.status_code == STATUS_ERROR or (isinstance(status, int) and status >= 500),
+                dict(span.attributes),
+            )
+        )
 
     def to_json(self) -> dict[str, object]:
         return {"counters": self.counters, "requests": len(self.rows)}
@@ -56,16 +61,18 @@ class Summary:
     def format(self, slowest: int = 5) -> str:
         lines: list[str] = []
         if not self.rows:
-            lines.append("No HTTP requests were seen. Check the filters (--pid/--port/--comm) "
-                         "and that traffic reached this host during the capture.")
+            lines.append(
+                "No HTTP requests were seen. Check the filters (--pid/--port/--comm) "
+                "and that traffic reached this host during the capture."
+            )
         else:
             lines.extend(self._endpoint_table())
             lines.append("")
-            lines.append(f"Slowest {min(slowest, len(self.rows))} requests (open the trace id "
-                         "in Jaeger):")
+            lines.append(
+                f"Slowest {min(slowest, len(self.rows))} requests (open the trace id in Jaeger):"
+            )
             for row in sorted(self.rows, key=lambda r: -r.duration_ns)[:slowest]:
-                lines.append(f"  {row.duration_ns / 1e6:10.2f} ms  {row.trace_id}  "
-                             f"{row.name[:44]}")
+                lines.append(f"  {row.duration_ns / 1e6:10.2f} ms  {row.trace_id}  {row.name[:44]}")
         lines.append("")
         lines.append("Losses:")
         lines.extend("  " + part for part in _fmt_counters(self.counters))
@@ -81,15 +88,23 @@ class Summary:
         head = f"{'endpoint':<28}{'count':>6}{'err':>5}{'p50 ms':>9}{'p99 ms':>9}"
         for col, _, _ in present:
             head += f"{col:>{CELL}}"
-        out = [head, " " * 57 + f"{'(p50/p99)':>{CELL}}" * len(present) if present else "",
-               "-" * len(head)]
+        out = [
+            head,
+            " " * 57 + f"{'(p50/p99)':>{CELL}}" * len(present) if present else "",
+            "-" * len(head),
+        ]
         for name, rows in sorted(groups.items(), key=lambda kv: -len(kv[1])):
             durs = sorted(r.duration_ns / 1e6 for r in rows)
-            line = (f"{name[:27]:<28}{len(rows):>6}{sum(r.error for r in rows):>5}"
-                    f"{_pct(durs, 50):>9.2f}{_pct(durs, 99):>9.2f}")
-            for col, attr, scale in present:
-                vals = sorted(float(r.attributes[attr]) * scale  # type: ignore[arg-type]
-                              for r in rows if attr in r.attributes)
+            line = (
+                f"{name[:27]:<28}{len(rows):>6}{sum(r.error for r in rows):>5}"
+                f"{_pct(durs, 50):>9.2f}{_pct(durs, 99):>9.2f}"
+            )
+            for _col, attr, scale in present:
+                vals = sorted(
+                    float(r.attributes[attr]) * scale  # type: ignore[arg-type]
+                    for r in rows
+                    if attr in r.attributes
+                )
                 cell = f"{_short(_pct(vals, 50))}/{_short(_pct(vals, 99))}" if vals else "-"
                 line += f"{cell:>{CELL}}"
             out.append(line)
@@ -106,7 +121,7 @@ def _pct(sorted_vals: list[float], p: float) -> float:
     """Nearest-rank percentile."""
     if not sorted_vals:
         return 0.0
-    k = max(0, min(len(sorted_vals) - 1, int(round(p / 100 * len(sorted_vals) + 0.5)) - 1))
+    k = max(0, min(len(sorted_vals) - 1, round(p / 100 * len(sorted_vals) + 0.5) - 1))
     return sorted_vals[k]
 
 
@@ -136,12 +151,14 @@ def rows_from_otlp_json(lines: Iterable[str]) -> list[Row]:
                 for sp in ss.get("spans", []):
                     if sp.get("kind") != KIND_SERVER:
                         continue
-                    attrs = {a["key"]: _json_value(a.get("value", {}))
-                             for a in sp.get("attributes", [])}
+                    attrs = {
+                        a["key"]: _json_value(a.get("value", {})) for a in sp.get("attributes", [])
+                    }
                     dur = int(sp["endTimeUnixNano"]) - int(sp["startTimeUnixNano"])
                     status = attrs.get("http.response.status_code", 0)
                     err = sp.get("status", {}).get("code") == STATUS_ERROR or (
-                        isinstance(status, int) and status >= 500)
+                        isinstance(status, int) and status >= 500
+                    )
                     rows.append(Row(sp["name"], sp["traceId"], dur, err, attrs))
     return rows
 

@@ -33,7 +33,7 @@ class JsonLinesFileExporter:
                 return ExportResult.fail("exporter is shut down")
             try:
                 if self._file is None:
-                    # Lone surrogates (from undecodable input) become U+FFFD, not a failed batch.
+                    # A lone surrogate (from undecodable input) becomes "?", not a failed batch.
                     self._file = open(self.path, "a", encoding="utf-8", errors="replace")  # noqa: SIM115
                 self._file.write(line)
                 self._file.flush()

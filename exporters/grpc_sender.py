@@ -40,9 +40,8 @@ _CHANNEL_OPTIONS = [
     # The queue does the retrying, with backoff it can bound by a shutdown deadline.
     ("grpc.enable_retries", 0),
     # gRPC's default reconnect backoff grows to 120 s: a collector restart would then fail every
-    # retry for minutes after it is back.
-    ("grpc.initial_reconnect_backoff_ms", 500),
-    ("grpc.min_reconnect_backoff_ms", 500),
+    # retry for minutes after it is back. (min_reconnect_backoff is left alone: gRPC also uses it
+    # as the connect timeout, 20 s by default.)
     ("grpc.max_reconnect_backoff_ms", 5000),
     ("grpc.primary_user_agent", f"tracejoin/{agent.__version__}"),
 ]
@@ -148,6 +147,8 @@ class OtlpGrpcExporter:
         return ExportResult.SUCCESS
 
     def _failure(self, err: grpc.RpcError) -> ExportResult:
+        if self._closed:  # our own shutdown cancelled the call: nothing to retry
+            return ExportResult.fail("exporter is shut down")
         code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
         details = err.details() if hasattr(err, "details") else ""
         detail = f"gRPC {code.name}: {details}" if code is not None else str(err)

@@ -98,7 +98,7 @@ _resource_fields: dict[Resource, bytes] = {}  # Resource -> ResourceSpans.resour
 
 
 def _utf8(s: str) -> bytes:
-    # A lone surrogate must not fail the batch (a receiver rejects invalid UTF-8 outright).
+    # A lone surrogate becomes "?" rather than failing the batch (receivers reject bad UTF-8).
     return s.encode("utf-8", "replace")
 
 

@@ -183,7 +183,11 @@ class BatchExportQueue:
             batch = self._next_batch()
             if batch is None:
                 return
-            self._export(batch)
+            try:
+                self._export(batch)
+            except Exception as err:  # keep the worker alive: a dead one would fill the queue
+                log.exception("export%s: worker error", self._label_text())
+                self._settle(batch, ExportResult.fail(repr(err)))
 
     def _next_batch(self) -> list[Span] | None:
         """Wait for a full batch, the flush interval, a flush request or shutdown; None: stop."""

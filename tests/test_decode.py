@@ -25,9 +25,14 @@ def c_layout(tmp_path_factory) -> dict[str, int]:
         pytest.skip("no C compiler (cc) to compile the layout probe")
     d = tmp_path_factory.mktemp("layout")
     src = d / "layout.c"
-    lines = ["#include <stdio.h>", "#include <stddef.h>", "#include <linux/types.h>",
-             '#include "http_record.h"', "int main(void) {",
-             'printf("sizeof %zu\\n", sizeof(struct http_record));']
+    lines = [
+        "#include <stdio.h>",
+        "#include <stddef.h>",
+        "#include <linux/types.h>",
+        '#include "http_record.h"',
+        "int main(void) {",
+        'printf("sizeof %zu\\n", sizeof(struct http_record));',
+    ]
     lines += [f'printf("{f} %zu\\n", offsetof(struct http_record, {f}));' for f in FIELDS]
     lines += ["return 0; }"]
     src.write_text("\n".join(lines))

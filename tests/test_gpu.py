@@ -734,7 +734,8 @@ def test_fake_matches_pynvml_surface() -> None:
 # ---- bench helpers (the GPU check itself needs a GPU) ------------------------------------
 
 
-def test_bench_call_costs_with_fake() -> None:
+def test_bench_call_costs_with_fake(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT))  # bench/ is a plain directory, not installed
     from bench.gpu_check import measure_nvml_call_costs, skip_reason
 
     dev = FakeDevice(0, gpm_supported=True)

@@ -16,8 +16,19 @@ pytestmark = [pytest.mark.privileged, pytest.mark.e2e]
 
 
 def _curl(port: int, path: str, tp: str) -> None:
-    subprocess.run(["curl", "-sf", "-o", "/dev/null", "-H", f"traceparent: {tp}",
-                    f"http://127.0.0.1:{port}{path}"], check=True, timeout=10)
+    subprocess.run(
+        [
+            "curl",
+            "-sf",
+            "-o",
+            "/dev/null",
+            "-H",
+            f"traceparent: {tp}",
+            f"http://127.0.0.1:{port}{path}",
+        ],
+        check=True,
+        timeout=10,
+    )
 
 
 def _python_get(port: int, path: str, tp: str) -> None:
@@ -28,8 +39,9 @@ def _python_get(port: int, path: str, tp: str) -> None:
     conn.close()
 
 
-def _assert_in_jaeger(jaeger, trace_id: int, parent: int, method: str, path: str, status: int,
-                      min_ms: float) -> dict:
+def _assert_in_jaeger(
+    jaeger, trace_id: int, parent: int, method: str, path: str, status: int, min_ms: float
+) -> dict:
     trace = jaeger.get_trace(f"{trace_id:032x}", timeout_s=15)
     servers = [s for s in trace["spans"] if span_tags(s).get("span.kind") == "server"]
     assert len(servers) == 1, trace["spans"]
@@ -55,12 +67,15 @@ def _jaeger_server_spans(jaeger, trace_id: int, expect: int, timeout_s: float = 
         time.sleep(0.5)
 
 
-@pytest.mark.parametrize(("mode", "client"), [
-    ("threaded", _curl),
-    ("go", _python_get),
-    ("aiohttp", _curl),
-    ("go", _curl),
-])
+@pytest.mark.parametrize(
+    ("mode", "client"),
+    [
+        ("threaded", _curl),
+        ("go", _python_get),
+        ("aiohttp", _curl),
+        ("go", _curl),
+    ],
+)
 def test_span_in_callers_trace(agent, jaeger, mode, client):
     port = agent.take_port()
     with server(mode, port):
@@ -86,8 +101,17 @@ def test_error_status_marks_span(agent):
     with server("threaded", port):
         tp, trace_id, _ = new_traceparent()
         _curl_status = subprocess.run(
-            ["curl", "-s", "-o", "/dev/null", "-H", f"traceparent: {tp}",
-             f"http://127.0.0.1:{port}/error"], timeout=10)
+            [
+                "curl",
+                "-s",
+                "-o",
+                "/dev/null",
+                "-H",
+                f"traceparent: {tp}",
+                f"http://127.0.0.1:{port}/error",
+            ],
+            timeout=10,
+        )
         assert _curl_status.returncode == 0
         (span,) = agent.server_spans(trace_id)
         assert span.attributes["http.response.status_code"] == 503
@@ -98,7 +122,7 @@ def test_keepalive_1000_requests_one_connection(agent, jaeger):
     """1000 sequential keep-alive requests on one connection, one trace id, distinct parents;
     every 10th unsampled: Jaeger holds exactly the 900 sampled ones."""
     port = agent.take_port()
-    tp0, trace_id, _ = new_traceparent()
+    _tp0, trace_id, _ = new_traceparent()
     sampled_parents = set()
     with server("go", port):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -107,9 +131,13 @@ def test_keepalive_1000_requests_one_connection(agent, jaeger):
             sampled = i % 10 != 9
             if sampled:
                 sampled_parents.add(f"{parent:016x}")
-            conn.request("GET", f"/k/{i}",
-                         headers={"traceparent": f"00-{trace_id:032x}-{parent:016x}-"
-                                                 f"{'01' if sampled else '00'}"})
+            conn.request(
+                "GET",
+                f"/k/{i}",
+                headers={
+                    "traceparent": f"00-{trace_id:032x}-{parent:016x}-{'01' if sampled else '00'}"
+                },
+            )
             conn.getresponse().read()
         conn.close()
         spans = agent.server_spans(trace_id, n=900, timeout_s=20)
@@ -125,7 +153,8 @@ def test_three_pipelined_requests_in_one_write(agent, jaeger):
     tps = [new_traceparent() for _ in range(3)]
     payload = b"".join(
         f"GET /p/{i} HTTP/1.1\r\nHost: x\r\ntraceparent: {tp}\r\n\r\n".encode()
-        for i, (tp, _, _) in enumerate(tps))
+        for i, (tp, _, _) in enumerate(tps)
+    )
     with server("threaded", port):
         with __import__("socket").create_connection(("127.0.0.1", port), timeout=5) as s:
             s.sendall(payload)
@@ -145,9 +174,11 @@ def test_secrets_never_leave_the_kernel(agent, caplog):
     port = agent.take_port()
     tp, trace_id, _ = new_traceparent()
     body = b"password=canary-body-3141"
-    req = (f"POST /login?session=canary-query-2718 HTTP/1.1\r\nHost: x\r\n"
-           f"Authorization: Bearer canary-auth-1618\r\nCookie: sid=canary-cookie-1414\r\n"
-           f"traceparent: {tp}\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    req = (
+        f"POST /login?session=canary-query-2718 HTTP/1.1\r\nHost: x\r\n"
+        f"Authorization: Bearer canary-auth-1618\r\nCookie: sid=canary-cookie-1414\r\n"
+        f"traceparent: {tp}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
     with server("threaded", port):
         raw_request(port, req)
         (span,) = agent.server_spans(trace_id)

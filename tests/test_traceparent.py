@@ -12,26 +12,29 @@ TID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PID = "00f067aa0ba902b7"
 
 
-@pytest.mark.parametrize(("value", "expected"), [
-    (f"00-{TID}-{PID}-01", (int(TID, 16), int(PID, 16), 1)),
-    (f"00-{TID}-{PID}-00", (int(TID, 16), int(PID, 16), 0)),
-    (f"00-{TID}-{PID}-ff", (int(TID, 16), int(PID, 16), 0xFF)),
-    (f"01-{TID}-{PID}-01", (int(TID, 16), int(PID, 16), 1)),
-    (f"cc-{TID}-{PID}-01-extra", (int(TID, 16), int(PID, 16), 1)),
-    (f"ff-{TID}-{PID}-01", tp.BAD_VERSION),
-    (f"00-{TID}-{PID}-01-", tp.TOO_LONG),
-    (f"00-{TID}-{PID}-01.", tp.TOO_LONG),
-    (f"cc-{TID}-{PID}-01.x", tp.MALFORMED),
-    (f"00-{TID.upper()}-{PID}-01", tp.UPPERCASE),
-    (f"0A-{TID}-{PID}-01", tp.UPPERCASE),
-    (f"00-{'0' * 32}-{PID}-01", tp.ZERO_TRACE_ID),
-    (f"00-{TID}-{'0' * 16}-01", tp.ZERO_PARENT_ID),
-    (f"00-{TID}-{PID}-0", tp.TRUNCATED),
-    ("", tp.TRUNCATED),
-    (f"00-{TID}-{PID}+01", tp.MALFORMED),
-    (f"00-{TID[:-1]}z-{PID}-01", tp.MALFORMED),
-    (f"00-{TID}-{PID}-0g", tp.MALFORMED),
-])
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (f"00-{TID}-{PID}-01", (int(TID, 16), int(PID, 16), 1)),
+        (f"00-{TID}-{PID}-00", (int(TID, 16), int(PID, 16), 0)),
+        (f"00-{TID}-{PID}-ff", (int(TID, 16), int(PID, 16), 0xFF)),
+        (f"01-{TID}-{PID}-01", (int(TID, 16), int(PID, 16), 1)),
+        (f"cc-{TID}-{PID}-01-extra", (int(TID, 16), int(PID, 16), 1)),
+        (f"ff-{TID}-{PID}-01", tp.BAD_VERSION),
+        (f"00-{TID}-{PID}-01-", tp.TOO_LONG),
+        (f"00-{TID}-{PID}-01.", tp.TOO_LONG),
+        (f"cc-{TID}-{PID}-01.x", tp.MALFORMED),
+        (f"00-{TID.upper()}-{PID}-01", tp.UPPERCASE),
+        (f"0A-{TID}-{PID}-01", tp.UPPERCASE),
+        (f"00-{'0' * 32}-{PID}-01", tp.ZERO_TRACE_ID),
+        (f"00-{TID}-{'0' * 16}-01", tp.ZERO_PARENT_ID),
+        (f"00-{TID}-{PID}-0", tp.TRUNCATED),
+        ("", tp.TRUNCATED),
+        (f"00-{TID}-{PID}+01", tp.MALFORMED),
+        (f"00-{TID[:-1]}z-{PID}-01", tp.MALFORMED),
+        (f"00-{TID}-{PID}-0g", tp.MALFORMED),
+    ],
+)
 def test_parse(value, expected):
     got = tp.parse(value.encode())
     if isinstance(expected, tuple):

@@ -55,8 +55,9 @@ def port(agent):
         yield p
 
 
-@pytest.mark.parametrize(("headers", "expected"), CASES,
-                         ids=[f"{i}-{e}" for i, (_, e) in enumerate(CASES)])
+@pytest.mark.parametrize(
+    ("headers", "expected"), CASES, ids=[f"{i}-{e}" for i, (_, e) in enumerate(CASES)]
+)
 def test_rule(agent, port, headers, expected):
     path = f"/rule/{CASES.index((headers, expected))}"
     head = "".join(h + "\r\n" for h in headers)
@@ -93,13 +94,24 @@ def test_headers_split_across_reads(agent, chunk):
     with server("rawchunks", p, env={"CHUNK": str(chunk)}):
         for i in range(5):
             tid = f"{i + 1:032x}"
-            raw_request(p, f"GET /split/{chunk}/{i} HTTP/1.1\r\nHost: t\r\n"
-                           f"traceparent: 00-{tid}-{PID}-01\r\n\r\n".encode())
-        spans = agent.wait_for(lambda sp: sum(
-            1 for s in sp if str(s.attributes.get("url.path", "")).startswith(
-                f"/split/{chunk}/")) >= 5)
-    mine = [s for s in spans if str(s.attributes.get("url.path", "")).startswith(
-        f"/split/{chunk}/")]
+            raw_request(
+                p,
+                f"GET /split/{chunk}/{i} HTTP/1.1\r\nHost: t\r\n"
+                f"traceparent: 00-{tid}-{PID}-01\r\n\r\n".encode(),
+            )
+        spans = agent.wait_for(
+            lambda sp: (
+                sum(
+                    1
+                    for s in sp
+                    if str(s.attributes.get("url.path", "")).startswith(f"/split/{chunk}/")
+                )
+                >= 5
+            )
+        )
+    mine = [
+        s for s in spans if str(s.attributes.get("url.path", "")).startswith(f"/split/{chunk}/")
+    ]
     assert len(mine) == 5
     for s in mine:
         i = int(str(s.attributes["url.path"]).rsplit("/", 1)[1])
@@ -124,8 +136,9 @@ def test_value_split_mid_value_is_exact(agent):
         _t.sleep(0.2)  # the server reads the first part alone
         s.sendall(req[cut:])
         s.recv(4096)
-        spans = agent.wait_for(lambda sp: any(
-            x.attributes.get("url.path") == "/midsplit" for x in sp))
+        spans = agent.wait_for(
+            lambda sp: any(x.attributes.get("url.path") == "/midsplit" for x in sp)
+        )
     (span,) = [x for x in spans if x.attributes.get("url.path") == "/midsplit"]
     assert span.trace_id == int(tid, 16)
     assert span.parent_span_id == int(PID, 16)

@@ -7,7 +7,8 @@ MODE
   slowread   accepts, waits until the request has arrived, sleeps SLEEP_MS (env), then reads
 
 Endpoints (threaded and aiohttp): /sleep?ms=N, /pages?n=N (touch N fresh pages),
-/tlb?n=N (N mmap/munmap rounds while a second thread runs: TLB shootdowns), /file?kb=N
+/tlb?n=N (N mmap/munmap rounds while a second thread runs: TLB shootdowns), /spin?ms=N
+(burn CPU for N ms of wall time), /file?kb=N
 (the body sent with sendfile(2); threaded only), anything else: 200 "ok".
 Prints "ready" on stdout once listening.
 """
@@ -72,6 +73,10 @@ def handle(path: str) -> tuple[int, bytes]:
         touch_pages(int(q.get("n", "0")))
     elif url.path == "/tlb":
         tlb_churn(int(q.get("n", "0")))
+    elif url.path == "/spin":
+        end = time.perf_counter() + int(q.get("ms", "0")) / 1000
+        while time.perf_counter() < end:
+            pass
     elif url.path == "/error":
         return 503, b"unavailable\n"
     return 200, b"ok\n"

@@ -1,0 +1,108 @@
+"""Issue 4: what the kernel did to each request, against workloads the tests control."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+from harness import new_traceparent, raw_request, server
+
+pytestmark = pytest.mark.privileged
+
+
+def _get(agent, port: int, path: str) -> dict:
+    tp, trace_id, _ = new_traceparent()
+    raw_request(
+        port,
+        f"GET {path} HTTP/1.1\r\nHost: t\r\ntraceparent: {tp}\r\n"
+        f"Connection: close\r\n\r\n".encode(),
+    )
+    (span,) = agent.server_spans(trace_id)
+    return span.attributes
+
+
+@pytest.mark.parametrize("sleep_ms", [50, 0])
+def test_receive_queue_wait_matches_the_servers_delay(agent, sleep_ms):
+    port = agent.take_port()
+    with server("slowread", port, env={"SLEEP_MS": str(sleep_ms)}):
+        waits = [
+            _get(agent, port, f"/q{i}")["tracejoin.tcp.receive_queue_wait_ns"] for i in range(3)
+        ]
+    for w in waits:
+        if sleep_ms:
+            assert sleep_ms * 1e6 <= w < (sleep_ms + 25) * 1e6, waits
+        else:
+            assert w < 5e6, waits
+
+
+def test_receive_queue_wait_is_a_child_span(agent):
+    port = agent.take_port()
+    with server("slowread", port, env={"SLEEP_MS": "30"}):
+        tp, trace_id, _ = new_traceparent()
+        raw_request(port, f"GET /c HTTP/1.1\r\nHost: t\r\ntraceparent: {tp}\r\n\r\n".encode())
+        (parent,) = agent.server_spans(trace_id)
+        spans = agent.wait_for(lambda sp: any(s.parent_span_id == parent.span_id for s in sp))
+    (child,) = [
+        s
+        for s in spans
+        if s.parent_span_id == parent.span_id and s.name == "tcp.receive_queue_wait"
+    ]
+    assert child.trace_id == trace_id
+    assert child.duration_ns >= 30e6
+    assert parent.start_ns <= child.start_ns and child.end_ns <= parent.end_ns
+
+
+def test_minor_faults_follow_pages_touched(agent):
+    port = agent.take_port()
+    with server("threaded", port):
+        _get(agent, port, "/pages?n=1")  # warm the handler's own code paths
+        touched = _get(agent, port, "/pages?n=2048")["tracejoin.mm.minor_faults"]
+        idle = _get(agent, port, "/pages?n=0")["tracejoin.mm.minor_faults"]
+    assert touched >= 2048
+    assert idle < 200
+
+
+def test_run_queue_delay_rises_with_a_competitor_on_the_same_cpu(agent):
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs 2 CPUs to pin the server and its competitor apart from the agent")
+    cpu = (os.cpu_count() or 2) - 1
+    port = agent.take_port()
+    with server("threaded", port, cpu=cpu):
+        alone = [_get(agent, port, "/spin?ms=40")["tracejoin.sched.runq_wait_ns"] for _ in range(3)]
+        hog = subprocess.Popen(["taskset", "-c", str(cpu), "python3", "-c", "while True: pass"])
+        try:
+            time.sleep(0.2)
+            contended = [_get(agent, port, "/spin?ms=40") for _ in range(3)]
+        finally:
+            hog.kill()
+            hog.wait()
+    runq = [a["tracejoin.sched.runq_wait_ns"] for a in contended]
+    assert max(runq) > 5e6, runq  # sharing one CPU with a spinner: milliseconds of waiting
+    assert sorted(runq)[1] > sorted(alone)[1], (runq, alone)
+    assert all(
+        a["tracejoin.sched.runq_wait_max_ns"] <= a["tracejoin.sched.runq_wait_ns"]
+        for a in contended
+    )
+
+
+def test_tlb_fallback_is_named_flushes_and_rises_with_shootdowns(agent):
+    assert agent.pipeline.probes.status.tlb_mode == "flush_fallback"  # no PMU in this VM
+    port = agent.take_port()
+    with server("threaded", port):
+        _get(agent, port, "/tlb?n=1")
+        busy = _get(agent, port, "/tlb?n=300")
+        quiet = _get(agent, port, "/tlb?n=0")
+    assert "tracejoin.tlb.dtlb_load_misses" not in busy  # never presented as misses
+    assert busy["tracejoin.tlb.flushes"] > quiet["tracejoin.tlb.flushes"]
+    assert busy["tracejoin.tlb.flushes"] >= 100
+
+
+def test_resource_names_the_tlb_mode(agent):
+    port = agent.take_port()
+    with server("threaded", port):
+        tp, trace_id, _ = new_traceparent()
+        raw_request(port, f"GET / HTTP/1.1\r\nHost: t\r\ntraceparent: {tp}\r\n\r\n".encode())
+        (span,) = agent.server_spans(trace_id)
+    assert span.resource.get("tracejoin.tlb.mode") == "flush_fallback"
