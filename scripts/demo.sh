@@ -22,5 +22,6 @@ trap 'kill $srv 2>/dev/null || true' EXIT
             "http://127.0.0.1:$PORT$path" || true
     done
 ) &
+traffic=$!
 .venv/bin/tracejoin capture --duration 15 --port "$PORT" --output-dir "$OUT"
-wait
+wait "$traffic" || true
