@@ -89,7 +89,7 @@ class HttpRecord(ctypes.Structure):
         ("nr_switches", ctypes.c_uint32),
         ("retrans", ctypes.c_uint32),
         ("srtt_us", ctypes.c_uint32),
-        ("_pad2", ctypes.c_uint32),
+        ("unacked_max", ctypes.c_uint32),
         ("runq", RunqWait * RUNQ_SLOTS),
     )
 

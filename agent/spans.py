@@ -172,6 +172,8 @@ class SpanBuilder:
         attrs["tracejoin.tcp.retransmits"] = rec.retrans
         if rec.srtt_us:
             attrs["tracejoin.tcp.srtt_us"] = rec.srtt_us
+        if rec.unacked_max:
+            attrs["tracejoin.tcp.unacked_max_bytes"] = rec.unacked_max
         attrs["tracejoin.sched.runq_wait_ns"] = rec.runq_ns
         attrs["tracejoin.sched.runq_wait_max_ns"] = rec.runq_max_ns
         attrs["tracejoin.sched.offcpu_ns"] = rec.offcpu_ns

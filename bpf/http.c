@@ -79,6 +79,7 @@ struct conn {
     u64 rs_body;
     u32 retrans;
     u32 srtt_us;
+    u32 unacked_max;            /* most bytes in flight unacknowledged since the response began */
     u32 rq_scanned;             /* header bytes scanned for the request being parsed */
     u16 rq_tpraw;               /* traceparent value bytes seen, OWS included */
     u16 rs_status;
@@ -297,6 +298,7 @@ static __always_inline void finish_request(struct http_record *rec, struct conn 
     rec->end_ns = end_ns;
     rec->retrans += c->retrans;
     rec->srtt_us = c->srtt_us;
+    rec->unacked_max = c->unacked_max;
     u32 tid = rec->tid;
     struct tstat *t = threads.lookup(&tid);
     if (!t) {
@@ -437,8 +439,12 @@ TRACEPOINT_PROBE(tcp, tcp_probe)
 {
     u64 sk = (u64)args->skaddr;
     struct conn *c = conns.lookup(&sk);
-    if (c)
+    if (c) {
         c->srtt_us = args->srtt;
+        u32 inflight = args->snd_nxt - args->snd_una;
+        if (inflight > c->unacked_max)
+            c->unacked_max = inflight;
+    }
     return 0;
 }
 #endif
@@ -1049,6 +1055,7 @@ int scan_resp(void *ctx)
     }
     if (!rec->resp_start_ns) {
         rec->resp_start_ns = s->now;
+        c->unacked_max = 0;
         /* The server answers the latest request: whatever its headers did, it has been read.
          * A parser that lost the header end (window, unframed body) restarts here. */
         u8 rq = c->rq_state;

@@ -70,7 +70,7 @@ struct http_record {
     __u32 nr_switches;     /* involuntary + voluntary switches of the thread */
     __u32 retrans;         /* TCP retransmissions on the connection during the request */
     __u32 srtt_us;         /* last smoothed RTT seen on the connection (tcp:tcp_probe); 0 none */
-    __u32 _pad2;
+    __u32 unacked_max;     /* most bytes sent but unacknowledged (tcp:tcp_probe) during the response */
     struct runq_wait runq[RUNQ_SLOTS];
 };
 

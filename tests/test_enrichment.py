@@ -106,3 +106,99 @@ def test_resource_names_the_tlb_mode(agent):
         raw_request(port, f"GET / HTTP/1.1\r\nHost: t\r\ntraceparent: {tp}\r\n\r\n".encode())
         (span,) = agent.server_spans(trace_id)
     assert span.resource.get("tracejoin.tlb.mode") == "flush_fallback"
+
+
+def test_handshake_to_first_read_includes_the_accept_backlog(agent):
+    port = agent.take_port()
+    with server("slowaccept", port, env={"SLEEP_MS": "80"}):
+        attrs = _get(agent, port, "/backlog")
+    assert attrs["tracejoin.tcp.handshake_to_first_read_ns"] >= 80e6 * 0.9
+
+
+@pytest.fixture
+def lossy_link(request):
+    """A veth pair into a network namespace; the client lives in the namespace."""
+    ns, host_if, ns_if = "tjrx", "tjrx0", "tjrx1"
+
+    def sh(*cmd: str) -> None:
+        subprocess.run(cmd, check=True, capture_output=True)
+
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+    try:
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        sh("ip", "link", "set", ns_if, "netns", ns)
+        sh("ip", "addr", "add", "10.199.0.1/24", "dev", host_if)
+        sh("ip", "link", "set", host_if, "up")
+        sh("ip", "netns", "exec", ns, "ip", "addr", "add", "10.199.0.2/24", "dev", ns_if)
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", ns_if, "up")
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"cannot build a veth pair in a network namespace: {exc.stderr!r}")
+    yield ns, ns_if
+    subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _fetch_in_ns(ns: str, port: int, tp: str) -> None:
+    subprocess.run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "curl",
+            "-sf",
+            "-o",
+            "/dev/null",
+            "--max-time",
+            "60",
+            "-H",
+            f"traceparent: {tp}",
+            f"http://10.199.0.1:{port}/file?kb=2048",
+        ],
+        check=True,
+        timeout=90,
+    )
+
+
+def test_retransmissions_appear_on_the_affected_span(agent, lossy_link):
+    import sys
+
+    from harness import HERE
+
+    ns, ns_if = lossy_link
+    port = agent.take_port()
+    with server("threaded", port, env={"BIND": "10.199.0.1"}):
+        tp, clean_id, _ = new_traceparent()
+        _fetch_in_ns(ns, port, tp)
+        (clean,) = agent.server_spans(clean_id)
+        dropper = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                sys.executable,
+                str(HERE / "servers" / "xdp_drop.py"),
+                ns_if,
+                str(port),
+                "5",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert dropper.stdout is not None and "ready" in dropper.stdout.readline()
+            tp, lossy_id, _ = new_traceparent()
+            _fetch_in_ns(ns, port, tp)
+            (lossy,) = agent.server_spans(lossy_id, timeout_s=20)
+        finally:
+            dropper.terminate()
+            dropper.wait(timeout=10)
+    assert clean.attributes["tracejoin.tcp.retransmits"] == 0
+    assert lossy.attributes["tracejoin.tcp.retransmits"] > 0
+    assert lossy.attributes["http.response.size"] >= 2048 * 1024
+    assert lossy.attributes.get("tracejoin.tcp.unacked_max_bytes", 0) > 0

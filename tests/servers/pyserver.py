@@ -5,6 +5,8 @@ MODE
   aiohttp    an asyncio server (aiohttp)
   rawchunks  accepts, reads the request in CHUNK-byte reads (env CHUNK), answers 200
   slowread   accepts, waits until the request has arrived, sleeps SLEEP_MS (env), then reads
+  slowaccept sleeps SLEEP_MS before each accept(): connections wait in the backlog
+BIND (env) is the address to listen on (default 127.0.0.1).
 
 Endpoints (threaded and aiohttp): /sleep?ms=N, /pages?n=N (touch N fresh pages),
 /tlb?n=N (N mmap/munmap rounds while a second thread runs: TLB shootdowns), /spin?ms=N
@@ -113,7 +115,7 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def serve_threaded(port: int) -> None:
-    srv = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    srv = ThreadingHTTPServer((os.environ.get("BIND", "127.0.0.1"), port), Handler)
     srv.daemon_threads = True
     print("ready", flush=True)
     srv.serve_forever()
@@ -140,10 +142,12 @@ def serve_raw(port: int, mode: str) -> None:
     sleep_ms = int(os.environ.get("SLEEP_MS", "0"))
     lsock = socket.socket()
     lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    lsock.bind(("127.0.0.1", port))
+    lsock.bind((os.environ.get("BIND", "127.0.0.1"), port))
     lsock.listen(128)
     print("ready", flush=True)
     while True:
+        if mode == "slowaccept":  # connections wait in the accept backlog
+            time.sleep(sleep_ms / 1000)
         conn, _ = lsock.accept()
         try:
             if mode == "slowread":
