@@ -185,8 +185,15 @@ class HttpProbes:
             defines.append("-DFILTER_PORT")
         if cfg.comm:
             defines.append("-DFILTER_COMM")
-        if cfg.tlb_hardware is not False and pmu_tlb_available():
-            defines.append("-DTLB_HW")
+        if cfg.tlb_hardware is not False:
+            if pmu_tlb_available():
+                defines.append("-DTLB_HW")
+            elif cfg.tlb_hardware:
+                raise ProbeError(
+                    "--tlb hardware: no hardware dTLB/iTLB counter opens here "
+                    "(no PMU, e.g. in a VM); use --tlb auto for the "
+                    "tlb:tlb_flush fallback (see `tracejoin doctor`)"
+                )
         return defines
 
     def render(self) -> tuple[str, list[str]]:
