@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -28,6 +29,14 @@ class Destination(Protocol):
     def shutdown(self, timeout_s: float = ...) -> None: ...
 
 
+class GpuJoiner(Protocol):
+    def join(self, pid: int, start_ns: int, end_ns: int) -> dict[str, object]: ...
+    def covered_until_ns(self) -> int: ...
+
+
+MAX_HELD = 50_000  # spans waiting for GPU samples; beyond it the oldest are joined early
+
+
 class Pipeline:
     def __init__(
         self,
@@ -36,6 +45,8 @@ class Pipeline:
         destinations: Sequence[Destination],
         metrics: Metrics,
         on_spans: Callable[[list[Span], HttpRecord], None] | None = None,
+        gpu: GpuJoiner | None = None,
+        gpu_hold_s: float = 1.0,
     ) -> None:
         self.metrics = metrics
         self.decoder = RecordDecoder(metrics)
@@ -44,6 +55,11 @@ class Pipeline:
         self.builder: SpanBuilder | None = None
         self.destinations = list(destinations)
         self.on_spans = on_spans
+        # GPU samples for a request's last moments arrive up to one sampling interval after
+        # it ends: hold its spans until the sampler has covered its end (or gpu_hold_s).
+        self.gpu = gpu
+        self.gpu_hold_s = gpu_hold_s
+        self._held: deque[tuple[float, list[Span], HttpRecord]] = deque()
         self._stop = threading.Event()
         self._paused = threading.Event()
         self._reader: threading.Thread | None = None
@@ -76,6 +92,8 @@ class Pipeline:
                 continue
             try:
                 self.probes.poll(100)
+                if self._held:
+                    self._release_held()
             except Exception:  # a bug here must not kill the agent: count and go on
                 log.exception("ring buffer poll failed")
                 self.metrics.inc("reader_errors")
@@ -102,6 +120,36 @@ class Pipeline:
             return
         if not spans:
             return
+        if self.gpu is not None:
+            if len(self._held) >= MAX_HELD:
+                self.metrics.inc("gpu_join_early")
+                self._release_one(*self._held.popleft())
+            self._held.append((time.monotonic() + self.gpu_hold_s, spans, rec))
+            return
+        self._emit(spans, rec)
+
+    def _release_held(self, force: bool = False) -> None:
+        assert self.gpu is not None
+        covered = self.gpu.covered_until_ns()
+        now = time.monotonic()
+        while self._held:
+            deadline, spans, rec = self._held[0]
+            if not force and spans[0].end_ns > covered and now < deadline:
+                break
+            self._held.popleft()
+            self._release_one(deadline, spans, rec)
+
+    def _release_one(self, _deadline: float, spans: list[Span], rec: HttpRecord) -> None:
+        assert self.gpu is not None
+        server = spans[0]
+        try:
+            server.attributes.update(self.gpu.join(rec.pid, server.start_ns, server.end_ns))
+        except Exception:
+            log.exception("GPU join failed")
+            self.metrics.inc("gpu_join_errors")
+        self._emit(spans, rec)
+
+    def _emit(self, spans: list[Span], rec: HttpRecord) -> None:
         self.metrics.inc("spans_built", len(spans))
         for dest in self.destinations:
             for span in spans:
@@ -128,6 +176,8 @@ class Pipeline:
         try:
             self.probes.poll(0)  # records already in the ring buffer
             self.kernel_counters()
+            if self._held:
+                self._release_held(force=True)
         except Exception:
             log.exception("final drain failed")
         self.probes.shutdown()

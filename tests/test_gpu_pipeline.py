@@ -1,0 +1,67 @@
+"""Issue 5 through the real pipeline: real BPF and a real server; NVML replaced at its boundary
+by agent.nvml_fake (no GPU on these machines; bench/gpu_check.py checks the real thing)."""
+
+from __future__ import annotations
+
+import pytest
+from harness import free_ports, new_traceparent, raw_request, server
+
+from agent.gpu_sampler import GpuSampler
+from agent.metrics import Metrics
+from agent.model import KIND_SERVER
+from agent.nvml_fake import FakeDevice, FakeNvml
+from agent.pipeline import Pipeline
+from agent.probes import ProbeConfig
+from agent.spans import SpanBuilder
+from exporters.base import InMemoryExporter
+from exporters.queue import BatchExportQueue
+
+pytestmark = pytest.mark.privileged
+
+
+def test_spans_carry_the_gpu_window_of_their_process(require_root):
+    """The motivating incident: kernel-active 12%, memory controller 94% busy: the span says so,
+    under names that say what NVML measured."""
+    (port,) = free_ports(1)
+    dev = FakeDevice(0, uuid="GPU-11111111-2222-3333-4444-555555555555")
+    dev.util_gpu, dev.util_memory = 12, 94
+    sampler = GpuSampler(Metrics(), nvml=FakeNvml([dev]), interval_s=0.05)
+    metrics = Metrics()
+    memory = InMemoryExporter()
+    queue = BatchExportQueue(memory, metrics, flush_interval_s=0.05)
+    pipeline = Pipeline(
+        ProbeConfig(ports=(port,)),
+        lambda tlb: SpanBuilder(metrics, tlb_mode=tlb),
+        [queue],
+        metrics,
+        gpu=sampler,
+        gpu_hold_s=2.0,
+    )
+    with server("threaded", port) as proc:
+        dev.compute_procs = {proc.pid: 3 << 30}
+        assert sampler.start().available
+        pipeline.start()
+        try:
+            tp, trace_id, _ = new_traceparent()
+            raw_request(
+                port,
+                f"GET /infer HTTP/1.1\r\nHost: t\r\ntraceparent: {tp}\r\n"
+                "Connection: close\r\n\r\n".encode(),
+            )
+            import time
+
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not [
+                s for s in memory.spans if s.trace_id == trace_id
+            ]:
+                time.sleep(0.05)
+        finally:
+            pipeline.shutdown(5.0)
+            sampler.shutdown()
+    (span,) = [s for s in memory.spans if s.trace_id == trace_id and s.kind == KIND_SERVER]
+    a = span.attributes
+    assert a["tracejoin.gpu.kernel_active.ratio.avg"] == pytest.approx(0.12, abs=0.01)
+    assert a["tracejoin.gpu.memory_controller_busy.ratio.max"] == pytest.approx(0.94, abs=0.01)
+    assert a["tracejoin.gpu.device.uuid"] == dev.uuid
+    assert a["tracejoin.gpu.process.memory.used.max"] == 3 << 30
+    assert not any(k.startswith("gpu.utilization") for k in a)  # never the proxy's old name
