@@ -16,7 +16,7 @@ from typing import Protocol
 
 from agent.decode import HttpRecord, RecordDecoder
 from agent.metrics import Metrics
-from agent.model import Span
+from agent.model import AttrValue, Span
 from agent.probes import HttpProbes, ProbeConfig
 from agent.spans import SpanBuilder
 
@@ -30,7 +30,7 @@ class Destination(Protocol):
 
 
 class GpuJoiner(Protocol):
-    def join(self, pid: int, start_ns: int, end_ns: int) -> dict[str, object]: ...
+    def join(self, pid: int, start_ns: int, end_ns: int) -> dict[str, AttrValue]: ...
     def covered_until_ns(self) -> int: ...
 
 
