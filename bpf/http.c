@@ -684,6 +684,31 @@ static __always_inline struct http_record *open_request(struct scratch *s, struc
 #define VLD(x) (*(volatile typeof(x) *)&(x))
 enum { STEP_GO, STEP_STOP, STEP_NEXT };
 
+/* Skip up to *left bytes of a framed body; true when the body is complete. */
+static __always_inline int skip_body(struct scratch *s, u32 i, u64 *left, u64 *counted)
+{
+    u64 avail = s->total - i, body = *left;
+    u64 skip = body < avail ? body : avail;
+    *counted += skip;
+    s->off = i + skip;
+    *left = body - skip;
+    return body == skip;
+}
+
+/* One byte of a Content-Length value: accumulate digits; returns the next parser state
+ * (`same` while in the value, `line_start` at LF, `skip_line` on anything else). */
+static __always_inline u8 cl_byte(u64 *cl, u8 ch, u8 same, u8 line_start, u8 skip_line)
+{
+    if (ch >= '0' && ch <= '9') {
+        if (*cl < CL_MAX)
+            *cl = *cl * 10 + (ch - '0');
+        return same;
+    }
+    if (ch == '\n')
+        return line_start;
+    return (ch == ' ' || ch == '\t') ? same : skip_line;
+}
+
 static __always_inline int step_req(struct scratch *s, struct conn *c, struct http_record *rec)
 {
     u32 i = VLD(s->off);
@@ -691,16 +716,10 @@ static __always_inline int step_req(struct scratch *s, struct conn *c, struct ht
     if (i >= s->total)
         return STEP_STOP;
     if (st == RQ_BODY) {
-        u64 left = s->total - i, body = c->rq_body;
-        u64 skip = body < left ? body : left;
-        rec->req_bytes += skip;
-        s->off = i + skip;
-        c->rq_body = body - skip;
-        if (body == skip) {
-            c->rq_state = RQ_NONE;
-            return STEP_NEXT;
-        }
-        return STEP_STOP;
+        if (!skip_body(s, i, &c->rq_body, &rec->req_bytes))
+            return STEP_STOP;
+        c->rq_state = RQ_NONE;
+        return STEP_NEXT;
     }
     if (st == RQ_UNFRAMED || st == RQ_OVERFLOW || st == RQ_NONE) {
         if (st != RQ_NONE)
@@ -786,14 +805,7 @@ static __always_inline int step_req(struct scratch *s, struct conn *c, struct ht
                 rec->tp_len = c->rq_tpraw;
         }
     } else if (st == RQ_CL_VALUE) {
-        if (ch >= '0' && ch <= '9') {
-            if (c->rq_cl < CL_MAX)
-                c->rq_cl = c->rq_cl * 10 + (ch - '0');
-        } else if (ch == '\n') {
-            st = RQ_LINE_START;
-        } else if (ch != ' ' && ch != '\t') {
-            st = RQ_SKIP_LINE;
-        }
+        st = cl_byte(&c->rq_cl, ch, RQ_CL_VALUE, RQ_LINE_START, RQ_SKIP_LINE);
     }
     if (hdr_end) {
         rec->flags |= REQF_HDR_DONE;
@@ -911,14 +923,8 @@ static __always_inline int step_resp(struct scratch *s, struct conn *c, struct h
     u8 st = VLD(c->rs_state);
     if (i >= s->total)
         return STEP_STOP;
-    if (st == RS_BODY) {
-        u64 left = s->total - i, body = c->rs_body;
-        u64 skip = body < left ? body : left;
-        rec->resp_bytes += skip;
-        s->off = i + skip;
-        c->rs_body = body - skip;
-        return body == skip ? STEP_NEXT : STEP_STOP;
-    }
+    if (st == RS_BODY)
+        return skip_body(s, i, &c->rs_body, &rec->resp_bytes) ? STEP_NEXT : STEP_STOP;
     if (st == RS_CHUNKED) {
         /* The body ends with the "0\r\n\r\n" chunk: keep the last 5 bytes written. */
         u32 end = s->total;
@@ -998,14 +1004,7 @@ static __always_inline int step_resp(struct scratch *s, struct conn *c, struct h
         else
             st = RS_SKIP_LINE;
     } else if (st == RS_CL_VALUE) {
-        if (ch >= '0' && ch <= '9') {
-            if (c->rs_cl < CL_MAX)
-                c->rs_cl = c->rs_cl * 10 + (ch - '0');
-        } else if (ch == '\n') {
-            st = RS_LINE_START;
-        } else if (ch != ' ' && ch != '\t') {
-            st = RS_SKIP_LINE;
-        }
+        st = cl_byte(&c->rs_cl, ch, RS_CL_VALUE, RS_LINE_START, RS_SKIP_LINE);
     }
     if (hdr_end) {
         u16 code = c->rs_status;
