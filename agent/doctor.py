@@ -360,8 +360,8 @@ def check_privileges(root: Path, kver: tuple[int, int]) -> Check:
             f"{who} lacks " + "; ".join(missing),
             short=f"{who} lacks " + ", ".join(m.split(" (")[0] for m in missing),
             required=True,
-            fix="run as root with full capabilities (DaemonSet: privileged: true, or add "
-            "CAP_BPF, CAP_PERFMON and CAP_DAC_READ_SEARCH)",
+            fix="run as root, or grant CAP_BPF, CAP_PERFMON, CAP_DAC_READ_SEARCH and "
+            "CAP_SYS_PTRACE (the DaemonSet in deploy/ does; see docs/operations.md)",
             notes=notes,
             data=data,
         )

@@ -81,4 +81,9 @@ if [ ! -x "$JAEGER" ]; then
     mv "$JAEGER.tmp" "$JAEGER"
 fi
 ln -sfn "$JAEGER" "$CACHE/jaeger"
+
+# 6. helm and the offline Kubernetes schema validator for tests/test_deploy.py, built once
+# into the cache (helm's first build takes a few minutes).
+tools/helm/build.sh >/dev/null
+tools/k8sschema/build.sh >/dev/null
 say "ready (venv $VENV, jaeger $JAEGER)"
