@@ -1,119 +1,359 @@
-"""`tracejoin capture`: a one-off capture with a live view, a summary and files to keep."""
+"""`tracejoin capture`: a one-off capture with a live view, a summary and files to keep.
+
+Flow: start the destinations (OTLP-JSON file, Perfetto trace, optionally OTLP) and the probes;
+say "capturing" once the probes are attached (the duration counts from then); while it runs,
+show a live status (a redrawn line on a terminal, a plain line every few seconds otherwise) and
+drain GPU samples into the Perfetto file; on the duration, SIGINT or SIGTERM, stop the probes,
+drain the ring buffer, flush every destination under one deadline, then write the summary,
+counters and capture details and print the summary. A signal never skips the writing.
+
+Files (docs/capture.md): spans.otlp.jsonl, trace.perfetto.json, summary.txt, counters.json,
+capture.json.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
+import signal
 import sys
+import textwrap
 import threading
 import time
-from typing import TextIO
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TextIO
 
-from agent.cli import (
-    _builder_factory,
-    _file_destination,
-    _otlp_destination,
-    install_signal_handlers,
-    start_gpu_sampler,
-)
+from agent.cli import _builder_factory, _file_destination, _otlp_destination
 from agent.config import Settings
 from agent.decode import HttpRecord
 from agent.metrics import Metrics
 from agent.model import Span
 from agent.pipeline import Pipeline
 from agent.probes import ProbeConfig, ProbeError
-from agent.summary import Summary
+from agent.summary import (
+    CAPTURE_FILE,
+    CAPTURE_FILES,
+    COUNTERS_FILE,
+    LOSS_COUNTERS,
+    PERFETTO_FILE,
+    SPANS_FILE,
+    SUMMARY_FILE,
+    Summary,
+)
+from exporters.perfetto import PerfettoTraceWriter
+from exporters.queue import BatchExportQueue
 
-SPANS_FILE = "spans.otlp.jsonl"
+log = logging.getLogger("tracejoin.capture")
+
+TTY_REFRESH_S = 0.5
+PLAIN_EVERY_S = 5.0
+SHUTDOWN_S = 5.0
+
+__all__ = ["PERFETTO_FILE", "SPANS_FILE", "run_capture"]
+
+
+def _lost(m: Metrics) -> int:
+    return int(
+        sum(m.get(k) for k, _ in LOSS_COUNTERS if k.startswith("kernel_"))
+        + m.total("decode_errors")
+        + m.total("records_dropped_userspace")
+        + m.total("spans_dropped")
+    )
 
 
 def _status_line(m: Metrics, elapsed: float, duration: float | None) -> str:
-    left = f", {max(0.0, duration - elapsed):.0f}s left" if duration else ""
-    lost = (
-        m.get("kernel_ringbuf_full")
-        + m.total("spans_dropped")
-        + m.total("records_dropped_userspace")
-    )
+    left = f"  {max(0.0, duration - elapsed):.0f}s left" if duration else ""
     return (
-        f"requests {int(m.get('requests_seen'))}  spans {int(m.get('spans_built'))}  "
-        f"lost {int(lost)}  elapsed {elapsed:.0f}s{left}"
+        f"requests {int(m.get('records_received'))}  "
+        f"spans written {int(m.get('spans_exported', exporter='file'))}  "
+        f"lost {_lost(m)}  elapsed {elapsed:.0f}s{left}"
     )
 
 
-def run_capture(s: Settings, probe_config: ProbeConfig, out: TextIO | None = None) -> int:
-    out = out or sys.stdout
-    tty = out.isatty()
+class _Console:
+    """The capture's output stream. A reader that goes away (`tracejoin capture | head`) must not
+    stop the capture or the writing of its files: after the first failed write, output is
+    dropped."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.broken = False
+        try:
+            self.tty = out.isatty()
+        except (AttributeError, ValueError, OSError):
+            self.tty = False
+
+    def write(self, text: str) -> None:
+        if self.broken:
+            return
+        try:
+            self.out.write(text)
+            self.out.flush()
+        except (OSError, ValueError):
+            self.broken = True
+
+    def line(self, text: str = "") -> None:
+        self.write(text + "\n")
+
+
+def _filters(s: Settings) -> str:
+    parts = []
+    if s.pid:
+        parts.append("pid " + ", ".join(map(str, s.pid)))
+    if s.port:
+        parts.append("port " + ", ".join(map(str, s.port)))
+    if s.comm:
+        parts.append(f"comm {s.comm}")
+    return "; ".join(parts)
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: threading.Event, got: list[str]) -> Iterator[None]:
+    """SIGINT/SIGTERM set `stop` and are noted in `got` (every time: a second Ctrl-C does not
+    cut the writing short); the previous handlers come back afterwards. Only the main thread
+    may install handlers; elsewhere the caller stops the capture by its duration."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(signum: int, _frame: object) -> None:
+        got.append(signal.Signals(signum).name)
+        stop.set()
+
+    for sig in previous:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+
+def _start_sampler(s: Settings, metrics: Metrics, sampler: Any) -> tuple[Any, str]:
+    """(the running GPU sampler or None, how the summary describes the GPU signal)."""
+    if sampler is None:
+        if not s.gpu:
+            return None, "off (--no-gpu)"
+        from agent.gpu_sampler import GpuSampler
+
+        sampler = GpuSampler(metrics, interval_s=1.0 / s.gpu_sample_hz)
+    status = sampler.start()
+    if not status.available:
+        sampler.shutdown()
+        return None, f"off ({status.reason})"
+    n = len(sampler.histories())
+    return sampler, f"{n} device{'s' if n != 1 else ''} sampled"
+
+
+def run_capture(
+    s: Settings,
+    probe_config: ProbeConfig,
+    out: TextIO | None = None,
+    *,
+    gpu_sampler: Any = None,
+    on_ready: Callable[[], None] | None = None,
+) -> int:
+    """Run one capture; returns the exit status (0, or 2 when the probes cannot load).
+
+    `gpu_sampler`: an agent.gpu_sampler.GpuSampler to use instead of opening NVML (tests pass
+    one over agent.nvml_fake.FakeNvml); run_capture starts and shuts it down. `on_ready`: called
+    once the probes are attached, right after the "capturing" line.
+    """
+    stop = threading.Event()
+    signals: list[str] = []
+    with _stop_on_signals(stop, signals):
+        return _capture(s, probe_config, out or sys.stdout, gpu_sampler, on_ready, stop, signals)
+
+
+def _capture(
+    s: Settings,
+    probe_config: ProbeConfig,
+    out: TextIO,
+    gpu_sampler: Any,
+    on_ready: Callable[[], None] | None,
+    stop: threading.Event,
+    signals: list[str],
+) -> int:
+    con = _Console(out)
+    tty = con.tty
+    clear = "\r\x1b[2K" if os.environ.get("TERM") != "dumb" else "\r"
     metrics = Metrics()
-    s.output_dir.mkdir(parents=True, exist_ok=True)
-    spans_path = s.output_dir / SPANS_FILE
-    spans_path.unlink(missing_ok=True)
-    destinations = [_file_destination(spans_path, s, metrics)]
-    otlp = _otlp_destination(s, metrics)
+    otlp = _otlp_destination(s, metrics)  # first: a bad endpoint fails before any file changes
+    outdir = s.output_dir
+    spans_path = outdir / SPANS_FILE
+    try:
+        outdir.mkdir(parents=True, exist_ok=True)
+        for name in CAPTURE_FILES:  # never mix the files of two captures
+            (outdir / name).unlink(missing_ok=True)
+        spans_path.touch()  # present (and empty) even when nothing is captured
+    except OSError as exc:  # before the probes load: nothing is lost
+        print(f"tracejoin: cannot write the capture to {outdir}: {exc}", file=sys.stderr)
+        return 1
+    started_ns = time.time_ns()
+
+    perfetto = PerfettoTraceWriter(outdir / PERFETTO_FILE, started_ns, close_on_shutdown=False)
+    destinations: list[Any] = [
+        _file_destination(spans_path, s, metrics),
+        BatchExportQueue(
+            perfetto, metrics, max_queue_spans=s.queue_size, name="perfetto", flush_interval_s=0.5
+        ),
+    ]
     if otlp is not None:
         destinations.append(otlp)
+
     summary = Summary()
     lock = threading.Lock()
 
     def on_spans(spans: list[Span], _rec: HttpRecord) -> None:
-        metrics.inc("requests_seen")
         with lock:
             summary.add_span(spans[0])
 
-    gpu = start_gpu_sampler(s, metrics)
-    gpu_join = gpu.join if gpu is not None else None
+    gpu, gpu_text = _start_sampler(s, metrics, gpu_sampler)
     pipeline = Pipeline(
         probe_config,
-        _builder_factory(s, metrics, gpu_join),
+        _builder_factory(s, metrics, gpu.join if gpu is not None else None),
         destinations,
         metrics,
         on_spans=on_spans,
     )
-    stop = threading.Event()
-    install_signal_handlers(stop)
-    t0 = time.monotonic()
     try:
         pipeline.start()
     except ProbeError as exc:
         print(f"tracejoin: {exc}", file=sys.stderr)
         pipeline.shutdown(1.0)
+        if gpu is not None:
+            gpu.shutdown()
+        perfetto.abandon()
         return 2
-    for name, state in pipeline.probes.status.signals.items():
-        if state != "on":
-            print(f"note: {name} {state}", file=out)
-    print(
-        f"capturing (probes ready in {pipeline.probes.status.load_seconds:.1f}s; TLB signal: "
-        f"{pipeline.probes.status.tlb_mode}); Ctrl-C to stop",
-        file=out,
-        flush=True,
+    status = pipeline.probes.status
+    notes = [f"{name} {state}" for name, state in status.signals.items() if state != "on"]
+    for note in [*notes, f"GPU: {gpu_text}"]:
+        con.line(textwrap.fill(note, 100, initial_indent="note: ", subsequent_indent="  "))
+    until = f"for {s.duration:g}s" if s.duration else "until Ctrl-C"
+    con.line(
+        f"capturing {until} (probes ready in {status.load_seconds:.1f}s; "
+        f"TLB signal: {status.tlb_mode}); Ctrl-C to stop"
     )
-    last_line = 0.0
+    if on_ready is not None:
+        on_ready()
+    t0 = time.monotonic()
+    ready_ns = time.time_ns()
+    elapsed = 0.0
+    last_plain = t0
     try:
         while not stop.is_set():
             elapsed = time.monotonic() - t0
             if s.duration is not None and elapsed >= s.duration:
                 break
-            now = time.monotonic()
-            pipeline.kernel_counters()
+            try:
+                pipeline.kernel_counters()
+                if gpu is not None:
+                    perfetto.add_gpu_samples(gpu.histories())
+            except Exception:  # counted and logged; the capture goes on (principle 5)
+                metrics.inc("capture_tick_errors")
+                if metrics.get("capture_tick_errors") == 1:
+                    log.exception("capture: reading counters or GPU samples failed")
             if tty:
-                out.write("\r\x1b[2K" + _status_line(metrics, elapsed, s.duration))
-                out.flush()
-            elif now - last_line >= 5.0:
-                print(_status_line(metrics, elapsed, s.duration), file=out, flush=True)
-                last_line = now
-            stop.wait(0.5)
+                con.write(clear + _status_line(metrics, elapsed, s.duration))
+            elif time.monotonic() - last_plain >= PLAIN_EVERY_S:
+                con.line(_status_line(metrics, elapsed, s.duration))
+                last_plain = time.monotonic()
+            wait = TTY_REFRESH_S if tty else 0.5
+            if s.duration is not None:
+                wait = min(wait, max(0.0, s.duration - elapsed))
+            stop.wait(wait)
+        elapsed = time.monotonic() - t0
     finally:
-        pipeline.shutdown(5.0)
+        # Runs however the loop ended: the files are the point of a capture.
+        pipeline.shutdown(SHUTDOWN_S)
         if gpu is not None:
+            perfetto.add_gpu_samples(gpu.histories())
             gpu.shutdown()
-    if tty:
-        out.write("\n")
-    counters = {k: v for k, vals in metrics.snapshot().items() for labels, v in vals if not labels}
-    counters["spans_dropped"] = metrics.total("spans_dropped")
-    counters["records_dropped_userspace"] = metrics.total("records_dropped_userspace")
-    counters["decode_errors"] = metrics.total("decode_errors")
+        try:
+            perfetto.close({"filters": _filters(s), "gpu": gpu_text})
+        except OSError as exc:  # disk full, directory gone: the rest is still written
+            log.error("capture: writing %s failed: %s", perfetto.path, exc)
+
+    stopped_by = signals[0] if signals else "duration" if s.duration is not None else "?"
+    final = (
+        f"captured {elapsed:.1f}s (stopped by {stopped_by}): requests "
+        f"{int(metrics.get('records_received'))}  spans written "
+        f"{int(metrics.get('spans_exported', exporter='file'))}  lost {_lost(metrics)}"
+    )
+    con.line((clear if tty else "") + final)
+
+    counters = _counters(metrics)
     summary.counters = counters
-    text = summary.format()
-    (s.output_dir / "summary.txt").write_text(text + "\n")
-    (s.output_dir / "counters.json").write_text(json.dumps(counters, indent=2, sort_keys=True))
-    print(text, file=out)
-    print(f"\nfiles: {spans_path} (OTLP-JSON), {s.output_dir / 'summary.txt'}", file=out)
-    return 0
+    summary.info = {
+        "started_utc": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ready_ns / 1e9)),
+        "started_unix_ns": ready_ns,
+        "duration_s": round(elapsed, 3),
+        "stopped_by": stopped_by,
+        "filters": _filters(s),
+        "tlb_mode": status.tlb_mode,
+        "gpu": gpu_text,
+    }
+    with lock:
+        text = summary.format()
+        requests = summary.requests
+    failed = []
+    for name, content in (
+        (SUMMARY_FILE, text + "\n"),
+        (COUNTERS_FILE, json.dumps(counters, indent=2, sort_keys=True) + "\n"),
+        (CAPTURE_FILE, json.dumps({**summary.info, "requests": requests}, indent=2) + "\n"),
+    ):
+        try:
+            (outdir / name).write_text(content)
+        except OSError as exc:
+            failed.append(f"{name}: {exc}")
+    con.line()
+    con.line(text)
+    con.line()
+    con.line(_files_text(outdir, otlp is not None, s, metrics))
+    for why in failed:  # the summary above is still whole
+        print(f"tracejoin: could not write {why}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _counters(metrics: Metrics) -> dict[str, float]:
+    """Unlabelled series as they are; labelled ones summed under their name and kept apiece as
+    name{label=value,...}."""
+    out: dict[str, float] = {}
+    for name, series in metrics.snapshot().items():
+        for labels, value in series:
+            if not labels:
+                out[name] = value
+                continue
+            out[name] = out.get(name, 0) + value
+            out[name + "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"] = value
+    for name in ("spans_dropped", "records_dropped_userspace", "decode_errors"):
+        out.setdefault(name, 0)
+    return out
+
+
+def _files_text(outdir: Path, otlp: bool, s: Settings, metrics: Metrics) -> str:
+    lines = [f"Files in {outdir}/:"]
+    for name, what in (
+        (SPANS_FILE, "spans as OTLP/JSON, one ExportTraceServiceRequest per line"),
+        (PERFETTO_FILE, "timeline (requests, kernel intervals, GPU): open in ui.perfetto.dev"),
+        (SUMMARY_FILE, f"this summary; `tracejoin report {outdir}` prints it again"),
+        (COUNTERS_FILE, "loss and self-metric counters"),
+        (CAPTURE_FILE, "when, how long, filters, signals"),
+    ):
+        lines.append(f"  {name:<20} {what}")
+    if otlp:
+        sent = int(metrics.get("spans_exported", exporter="otlp"))
+        dropped = int(
+            sum(
+                v
+                for labels, v in metrics.snapshot().get("spans_dropped", [])
+                if labels.get("exporter") == "otlp"
+            )
+        )
+        where = s.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "OTLP")
+        lines.append(f"Spans sent to {where}: {sent} accepted, {dropped} dropped.")
+    return "\n".join(line if len(line) <= 100 else line[:97] + "..." for line in lines)

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from agent import __version__
-from agent.config import ConfigError, Settings, apply_options, load_file
+from agent.config import ConfigError, Settings, SourcedOption, apply_options, load_file
 from agent.metrics import Metrics
 from agent.probes import OPTIONAL_TRACEPOINTS, ProbeConfig, ProbeError
 
@@ -178,9 +179,11 @@ def _require_root() -> None:
 def capture(**params: Any) -> None:
     """Capture HTTP requests on this host for a while, then print where the time went.
 
-    Spans are written to OUTPUT_DIR as OTLP-JSON (spans.otlp.jsonl) with the summary
-    (summary.txt) and loss counters (counters.json); with --otlp-endpoint they are also sent
-    there. Ctrl-C ends the capture early and still writes everything.
+    Writes to OUTPUT_DIR: the spans as OTLP/JSON (spans.otlp.jsonl), a timeline for
+    ui.perfetto.dev or chrome://tracing (trace.perfetto.json), the summary (summary.txt), loss
+    counters (counters.json) and the capture's details (capture.json); with --otlp-endpoint
+    the spans also go there. Ctrl-C ends the capture early and still writes everything.
+    See docs/capture.md.
     """
     from agent.capture import run_capture
 
@@ -202,6 +205,7 @@ def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None)
 @click.option(
     "--config",
     "config_file",
+    cls=SourcedOption,
     type=click.Path(exists=True, dir_okay=False),
     callback=_load_config,
     is_eager=True,
@@ -221,12 +225,31 @@ def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None)
 @apply_options("run")
 def run(spans_file: Path | None, **params: Any) -> None:
     """Run the agent until SIGTERM/SIGINT: export one span per request, serve /healthz,
-    /readyz and /metrics, and on SIGTERM flush and detach within --shutdown-timeout."""
+    /readyz and /metrics. On SIGTERM: detach the probes, flush for what is left of
+    --shutdown-timeout, and be gone at most 1 s after it (a second signal exits at once)."""
     from agent.daemon import run_daemon
 
+    ctx = click.get_current_context()
+    # _otlp_destination passes these settings as overrides, which outrank every OTEL_*
+    # variable: drop a value that came from the config file when the environment has the
+    # signal-specific variable, so that environment > file holds for it too.
+    for key, variable in (
+        ("otlp_endpoint", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+        ("otlp_protocol", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"),
+    ):
+        from_file = ctx.get_parameter_source(key) is ParameterSource.DEFAULT_MAP
+        if from_file and os.environ.get(variable, "").strip():
+            params[key] = None
     s = Settings.from_params(params)
     _require_root()
-    sys.exit(run_daemon(s, _probe_config(s), spans_file))
+    code = run_daemon(s, _probe_config(s), spans_file)
+    # Everything is flushed or counted as dropped by now. Skip the interpreter's teardown:
+    # destructors it would run (gRPC channels, libbcc objects) take unbounded time and would
+    # break the documented exit bound (agent/daemon.py).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ------------------------------------------------------------------------------- report
@@ -235,7 +258,10 @@ def run(spans_file: Path | None, **params: Any) -> None:
 @main.command()
 @click.argument("path", type=click.Path(exists=True, path_type=Path))
 def report(path: Path) -> None:
-    """Print a capture's summary again from its directory (or its spans.otlp.jsonl)."""
+    """Print a capture's summary again from its saved files.
+
+    PATH is a capture directory (or any file in it), or an OTLP/JSON spans file: one
+    ExportTraceServiceRequest per line, or one whole document."""
     from agent.summary import load_report
 
     try:

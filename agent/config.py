@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 import yaml
+from click.core import ParameterSource
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,25 @@ class Opt:
     @property
     def flag(self) -> str:
         return "--" + self.key.replace("_", "-")
+
+
+class HttpUrl(click.ParamType):
+    """An http:// or https:// URL with a host (kept as the string given)."""
+
+    name = "url"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        from urllib.parse import urlsplit
+
+        text = str(value).strip()
+        try:
+            parts = urlsplit(text)
+            _ = parts.port  # ValueError for a bad port
+        except ValueError as exc:
+            self.fail(f"{text!r} is not a URL: {exc}", param, ctx)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            self.fail(f"{text!r} is not an http:// or https:// URL with a host", param, ctx)
+        return text
 
 
 ENV = "TRACEJOIN_"
@@ -160,8 +180,52 @@ OPTIONS: tuple[Opt, ...] = (
         "shutdown_timeout",
         click.FloatRange(0.5, 60),
         5.0,
-        "Seconds SIGTERM may spend flushing spans before exiting.",
+        "Seconds from SIGTERM to exit: probes detach first, spans flush in what is left; the "
+        "process is gone at most 1 s after this, whatever a destination does.",
         ENV + "SHUTDOWN_TIMEOUT",
+        commands=("run",),
+    ),
+    Opt(
+        "node_name",
+        str,
+        None,
+        "Kubernetes node name for k8s.node.name (the downward API's spec.nodeName).",
+        "NODE_NAME",
+        commands=("run",),
+    ),
+    Opt(
+        "kubelet_url",
+        HttpUrl(),
+        None,
+        "Read pod names, namespaces, container names and workloads from this kubelet pod "
+        "list, e.g. https://${NODE_NAME}:10250/pods ($NODE_NAME is the node name). "
+        "Unset: only what the cgroup path gives (container.id, k8s.pod.uid).",
+        ENV + "KUBELET_URL",
+        commands=("run",),
+    ),
+    Opt(
+        "kubelet_token_file",
+        click.Path(dir_okay=False, path_type=Path),
+        Path("/var/run/secrets/kubernetes.io/serviceaccount/token"),
+        "Bearer token for the kubelet (read at each request; sent over https only).",
+        ENV + "KUBELET_TOKEN_FILE",
+        commands=("run",),
+    ),
+    Opt(
+        "kubelet_ca_file",
+        click.Path(exists=True, dir_okay=False, path_type=Path),
+        None,
+        "CA bundle that signed the kubelet's serving certificate (default: the service "
+        "account's ca.crt when present, else the system CAs).",
+        ENV + "KUBELET_CA_FILE",
+        commands=("run",),
+    ),
+    Opt(
+        "kubelet_insecure_tls",
+        bool,
+        False,
+        "Do not verify the kubelet's serving certificate (for self-signed kubelet certs).",
+        ENV + "KUBELET_INSECURE_TLS",
         commands=("run",),
     ),
 )
@@ -187,6 +251,8 @@ def load_file(path: Path, command: str) -> dict[str, Any]:
         if opt is None or command not in opt.commands:
             known = ", ".join(o.key for o in OPTIONS if command in o.commands)
             raise ConfigError(f"config file {path}: unknown key '{raw_key}' (known: {known})")
+        if value is None:
+            continue  # `key:` with no value (or a template's null) leaves the setting unset
         param_type = click.types.convert_type(opt.type)
         try:
             if opt.multiple:
@@ -199,6 +265,22 @@ def load_file(path: Path, command: str) -> dict[str, Any]:
     return out
 
 
+class SourcedOption(click.Option):
+    """An option whose errors also say where a bad value came from: the environment variable
+    or the config-file key (the flag alone would send the reader to the command line)."""
+
+    def get_error_hint(self, ctx: click.Context | None) -> str:
+        hint = super().get_error_hint(ctx)
+        if ctx is None or self.name is None:
+            return hint
+        source = ctx.get_parameter_source(self.name)
+        if source is ParameterSource.ENVIRONMENT and isinstance(self.envvar, str):
+            return f"{hint} (from environment variable {self.envvar})"
+        if source is ParameterSource.DEFAULT_MAP:
+            return f"{hint} (from config file key '{self.name}')"
+        return hint
+
+
 def apply_options(command: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorate a click command with every option that applies to it."""
 
@@ -209,6 +291,7 @@ def apply_options(command: str) -> Callable[[Callable[..., Any]], Callable[..., 
                 fn = click.option(
                     f"{opt.flag}/--no-{opt.flag[2:]}",
                     opt.key,
+                    cls=SourcedOption,
                     default=opt.default,
                     envvar=opt.envvar,
                     show_default=True,
@@ -218,6 +301,7 @@ def apply_options(command: str) -> Callable[[Callable[..., Any]], Callable[..., 
                 fn = click.option(
                     opt.flag,
                     opt.key,
+                    cls=SourcedOption,
                     type=opt.type,
                     default=opt.default,
                     envvar=opt.envvar,
@@ -251,6 +335,11 @@ class Settings:
     metrics_port: int = 9464
     metrics_address: str = "0.0.0.0"
     shutdown_timeout: float = 5.0
+    node_name: str | None = None
+    kubelet_url: str | None = None
+    kubelet_token_file: Path | None = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+    kubelet_ca_file: Path | None = None
+    kubelet_insecure_tls: bool = False
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> Settings:

@@ -1,49 +1,90 @@
 """`tracejoin run`: the unattended agent. Exports until SIGTERM, serves health and metrics,
-and on SIGTERM detaches the probes and flushes within the configured bound."""
+and on SIGTERM detaches the probes and flushes within the configured bound.
+
+Shutdown bound (docs/operations.md): from SIGTERM (or SIGINT) the probes detach first, then the
+destinations flush in parallel for what is left of --shutdown-timeout; the process is gone at
+most HARD_EXIT_GRACE_S after that, whatever a destination or the interpreter does: a watchdog
+then exits hard, and the kernel releases every BPF program and map with the process's file
+descriptors. A second signal exits at once.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import FrameType
 
+from agent import __version__, traceparent
 from agent.cli import (
     _builder_factory,
     _file_destination,
     _otlp_destination,
-    install_signal_handlers,
     start_gpu_sampler,
 )
-from agent.config import Settings
+from agent.config import ConfigError, Settings
+from agent.decode import KERNEL_COUNTERS
+from agent.k8s import (
+    K8sResolver,
+    KubeletClient,
+    expand_node_name,
+    parse_resource_attributes,
+    resource_hook,
+)
 from agent.metrics import Metrics
+from agent.model import AttrValue
 from agent.pipeline import Pipeline
 from agent.probes import ProbeConfig, ProbeError
 
 log = logging.getLogger(__name__)
 DEFAULT_SPANS_FILE = Path("tracejoin-spans.otlp.jsonl")
+HARD_EXIT_GRACE_S = 1.0
+EXIT_OK, EXIT_START_FAILED, EXIT_HARD = 0, 2, 3
+
+_KERNEL_HELP = {
+    "records_submitted": "Records the kernel tried to put in the ring buffer.",
+    "ringbuf_full": "Records lost in the kernel: the ring buffer had no room.",
+    "pipeline_slots_full": "Requests not tracked: too many pipelined on one connection.",
+    "non_http_connections": "Connections whose first read was not HTTP/1.x.",
+    "request_state_lost": "Request state evicted from the kernel's LRU map before its response.",
+    "read_copy_failed": "Request buffers the kernel could not copy from user memory.",
+}
 
 
 class HealthServer:
-    """/healthz (the process is alive and its reader thread runs), /readyz (probes attached),
-    /metrics (Prometheus text). Start/shutdown are idempotent."""
+    """/healthz (alive: the reader thread runs once started), /readyz (probes attached and not
+    stopping), /metrics (Prometheus text). Binds at construction (a taken port is a start-up
+    error); start/shutdown are idempotent."""
 
-    def __init__(self, address: str, port: int, metrics: Metrics, pipeline: Pipeline) -> None:
+    def __init__(
+        self, address: str, port: int, metrics: Metrics, pipeline: Pipeline | None = None
+    ) -> None:
         self.metrics = metrics
         self.pipeline = pipeline
+        self.loaded = False  # set once the probes are attached and the gauges say so
+        self.stopping = False
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                if self.path == "/healthz":
-                    self._send(200, "ok\n")
-                elif self.path == "/readyz":
-                    ready = server.pipeline.ready.is_set()
-                    self._send(200 if ready else 503, "ready\n" if ready else "starting\n")
-                elif self.path == "/metrics":
-                    server.pipeline.kernel_counters()
-                    self._send(200, server.metrics.prometheus_text(), "text/plain; version=0.0.4")
+                path = self.path.split("?", 1)[0]
+                if path == "/healthz":
+                    alive = server.alive()
+                    self._send(200 if alive else 503, "ok\n" if alive else "reader stopped\n")
+                elif path == "/readyz":
+                    ready = server.ready()
+                    why = "stopping\n" if server.stopping else "starting\n"
+                    self._send(200 if ready else 503, "ready\n" if ready else why)
+                elif path == "/metrics":
+                    server.refresh()
+                    body = server.metrics.prometheus_text()
+                    self._send(200, body, "text/plain; version=0.0.4; charset=utf-8")
                 else:
                     self._send(404, "not found\n")
 
@@ -63,11 +104,33 @@ class HealthServer:
         self.port = self._httpd.server_address[1]
         self._thread: threading.Thread | None = None
 
+    def ready(self) -> bool:
+        return self.loaded and not self.stopping
+
+    def alive(self) -> bool:
+        if self.pipeline is None or not self.loaded or self.stopping:
+            return True
+        reader = getattr(self.pipeline, "_reader", None)
+        return reader is None or reader.is_alive()
+
+    def refresh(self) -> None:
+        """Bring the gauges read at scrape time up to date; never fails the scrape."""
+        self.metrics.set("ready", 1 if self.ready() else 0)
+        if self.pipeline is not None:
+            try:
+                self.pipeline.kernel_counters()
+            except Exception:  # maps closing under a concurrent shutdown
+                log.debug("kernel counters unavailable", exc_info=True)
+
     def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, daemon=True, name="tracejoin-health"
-        )
-        self._thread.start()
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._httpd.serve_forever,
+                kwargs={"poll_interval": 0.1},
+                daemon=True,
+                name="tracejoin-health",
+            )
+            self._thread.start()
 
     def shutdown(self) -> None:
         if self._thread is not None:
@@ -76,46 +139,231 @@ class HealthServer:
         self._httpd.server_close()
 
 
+def declare_metrics(metrics: Metrics, exporters: list[str]) -> None:
+    """HELP for every self-metric, and a zero for every counter series known up front, so
+    dashboards and rate() see each series from the first scrape (docs/attributes.md)."""
+    for name, text in _KERNEL_HELP.items():
+        metrics.describe("kernel_" + name, text, kind="counter")
+    for name in KERNEL_COUNTERS.values():
+        if name not in _KERNEL_HELP:
+            metrics.describe("kernel_" + name, "Kernel-side counter " + name, kind="counter")
+        metrics.set("kernel_" + name, 0)  # until the probes are loaded and read
+    metrics.describe(
+        "probe_mode",
+        "1 when a signal's probes are loaded, 0 when it is off; tlb_<mode> is the TLB signal "
+        "in use (tlb_hardware, tlb_flush_fallback or tlb_off).",
+    )
+    metrics.describe("probes_loaded", "1 once the BPF programs are attached.")
+    metrics.describe("probe_load_seconds", "Seconds compiling and attaching the BPF programs.")
+    metrics.describe("ready", "1 while /readyz answers 200.")
+    metrics.describe("build_info", "Always 1; the version label is tracejoin's.")
+    metrics.describe("decode_errors", "Ring-buffer records that could not be decoded, by reason.")
+    metrics.describe("reader_errors", "Ring-buffer polls that raised (the reader goes on).")
+    metrics.set("build_info", 1, version=__version__)
+    metrics.set("ready", 0)
+    metrics.set("probes_loaded", 0)
+    for name in ("records_received", "spans_built", "requests_unsampled", "reader_errors"):
+        metrics.inc(name, 0)
+    for reason in traceparent.REASONS:
+        metrics.inc("traceparent_rejected", 0, reason=reason)
+    for reason in ("undecodable", "build_error"):
+        metrics.inc("records_dropped_userspace", 0, reason=reason)
+    for reason in ("empty", "unknown_type", "short"):
+        metrics.inc("decode_errors", 0, reason=reason)
+    for exporter in exporters:
+        metrics.inc("spans_exported", 0, exporter=exporter)
+        metrics.inc("export_retries", 0, exporter=exporter)
+        metrics.inc("export_failures", 0, exporter=exporter)
+        for reason in ("queue_full", "export_failed", "rejected", "shutdown"):
+            metrics.inc("spans_dropped", 0, exporter=exporter, reason=reason)
+
+
+def build_resource_hook(
+    s: Settings, metrics: Metrics, environ: Mapping[str, str] | None = None
+) -> Callable[[int], dict[str, AttrValue]]:
+    """SpanBuilder's resource_for_pid: container/Kubernetes metadata (agent/k8s.py) over the
+    OTEL_RESOURCE_ATTRIBUTES defaults. Bad values raise ConfigError naming the key."""
+    env = os.environ if environ is None else environ
+    try:
+        env_attrs = parse_resource_attributes(env.get("OTEL_RESOURCE_ATTRIBUTES", ""))
+    except ValueError as exc:
+        raise ConfigError(f"OTEL_RESOURCE_ATTRIBUTES: {exc}") from exc
+    kubelet = None
+    if s.kubelet_url:
+        try:
+            url = expand_node_name(s.kubelet_url, s.node_name)
+        except ValueError as exc:
+            raise ConfigError(f"kubelet_url (--kubelet-url): {exc}") from exc
+        kubelet = KubeletClient(
+            url,
+            token_file=s.kubelet_token_file,
+            ca_file=s.kubelet_ca_file,
+            insecure_tls=s.kubelet_insecure_tls,
+        )
+        log.info("pod metadata from the kubelet at %s", url)
+    resolver = K8sResolver(metrics, node_name=s.node_name, kubelet=kubelet)
+    return resource_hook(resolver, env_attrs)
+
+
+def final_counters(metrics: Metrics) -> dict[str, int]:
+    """The loss accounting, summed over labels, as logged when the agent stops."""
+    names = (
+        "records_received",
+        "kernel_ringbuf_full",
+        "records_dropped_userspace",
+        "traceparent_rejected",
+        "spans_built",
+        "spans_exported",
+        "spans_dropped",
+        "export_failures",
+        "export_retries",
+    )
+    snap = metrics.snapshot()
+    return {n: int(sum(v for _, v in snap.get(n, []))) for n in names}
+
+
+class _Watchdog:
+    """Exits the process hard at a deadline unless the process has exited by itself."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self._thread = threading.Thread(target=self._run, daemon=True, name="tracejoin-watchdog")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (left := self.deadline - time.monotonic()) > 0:
+            time.sleep(min(left, 0.05))
+        hard_exit(EXIT_HARD, "shutdown overran its bound; exiting now")
+
+
+def hard_exit(code: int, why: str) -> None:
+    """Leave now: closing the process's descriptors detaches and unloads every BPF program."""
+    log.error("%s", why)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_daemon(s: Settings, probe_config: ProbeConfig, spans_file: Path | None) -> int:
     metrics = Metrics()
+    resource_for_pid = build_resource_hook(s, metrics)
     destinations = []
     otlp = _otlp_destination(s, metrics)
     if otlp is not None:
         destinations.append(otlp)
     if spans_file is not None or otlp is None:
         destinations.append(_file_destination(spans_file or DEFAULT_SPANS_FILE, s, metrics))
-    gpu = start_gpu_sampler(s, metrics)
-    gpu_join = gpu.join if gpu is not None else None
-    pipeline = Pipeline(probe_config, _builder_factory(s, metrics, gpu_join), destinations, metrics)
+    declare_metrics(metrics, [d.name for d in destinations if d.name])
+
     health = None
     if s.metrics_port:
-        health = HealthServer(s.metrics_address, s.metrics_port, metrics, pipeline)
+        try:
+            health = HealthServer(s.metrics_address, s.metrics_port, metrics)
+        except OSError as exc:
+            raise ConfigError(
+                f"metrics_port (--metrics-port): cannot listen on "
+                f"{s.metrics_address}:{s.metrics_port}: {exc.strerror or exc}"
+            ) from exc
         health.start()
         log.info("health and metrics on %s:%d", s.metrics_address, health.port)
-    stop = threading.Event()
-    install_signal_handlers(stop)
-    try:
-        pipeline.start()
-    except ProbeError as exc:
-        log.error("%s", exc)
-        pipeline.shutdown(1.0)
-        if health:
-            health.shutdown()
-        return 2
-    log.info(
-        "ready: probes loaded in %.1fs; signals %s; TLB %s",
-        pipeline.probes.status.load_seconds,
-        pipeline.probes.status.signals,
-        pipeline.probes.status.tlb_mode,
+
+    gpu = start_gpu_sampler(s, metrics)
+    if gpu is None:  # off by configuration or unavailable (the reason is logged)
+        metrics.set("gpu_sampler_running", 0)
+        if not s.gpu:
+            metrics.set("gpu_nvml_available", 0)
+    gpu_join = gpu.join if gpu is not None else None
+    pipeline = Pipeline(
+        probe_config,
+        _builder_factory(s, metrics, gpu_join, resource_for_pid=resource_for_pid),
+        destinations,
+        metrics,
     )
-    while not stop.wait(1.0):
-        pipeline.kernel_counters()
-    t0 = time.monotonic()
-    log.info("stopping: flushing for at most %.1fs", s.shutdown_timeout)
-    pipeline.shutdown(s.shutdown_timeout)
+    if health is not None:
+        health.pipeline = pipeline
+
+    stop = threading.Event()
+    stop_at: list[float] = []
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if stop.is_set():
+            hard_exit(EXIT_HARD, f"second {signal.Signals(signum).name}: exiting now")
+        stop_at.append(time.monotonic())
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    # Compiling takes seconds and a C call cannot be interrupted: start in a thread so a
+    # SIGTERM during start-up is still answered within the bound.
+    start_error: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            pipeline.start()
+        except BaseException as exc:
+            start_error.append(exc)
+
+    starter = threading.Thread(target=start, name="tracejoin-start", daemon=True)
+    starter.start()
+    while starter.is_alive() and not stop.wait(0.1):
+        pass
+
+    if not stop.is_set():
+        if start_error:
+            err = start_error[0]
+            if isinstance(err, ProbeError):
+                log.error("%s", err)
+            else:
+                log.error("start-up failed", exc_info=err)
+            pipeline.shutdown(1.0)
+            if gpu is not None:
+                gpu.shutdown()
+            if health is not None:
+                health.shutdown()
+            return EXIT_START_FAILED
+        status = pipeline.probes.status
+        metrics.set("probes_loaded", 1)
+        metrics.set("probe_load_seconds", round(status.load_seconds, 3))
+        metrics.set("ready", 1)
+        if health is not None:
+            health.loaded = True
+        log.info(
+            "ready: probes loaded in %.1fs; signals %s; TLB %s",
+            status.load_seconds,
+            status.signals,
+            status.tlb_mode,
+        )
+        while not stop.wait(1.0):
+            try:
+                pipeline.kernel_counters()
+            except Exception:
+                log.exception("reading kernel counters failed")
+
+    # ---- shutdown: bounded from the signal on
+    t0 = stop_at[0] if stop_at else time.monotonic()
+    deadline = t0 + s.shutdown_timeout
+    _Watchdog(deadline + HARD_EXIT_GRACE_S)  # lives until the process exits
+    if health is not None:
+        health.stopping = True
+    metrics.set("ready", 0)
+    log.info("stopping: detaching probes, flushing for at most %.1fs", s.shutdown_timeout)
+    if starter.is_alive():
+        starter.join(max(0.0, deadline - time.monotonic()))
+        if starter.is_alive():
+            hard_exit(EXIT_HARD, "still loading probes at the shutdown deadline; exiting now")
+    pipeline.shutdown(max(0.1, deadline - time.monotonic()))
+    log.debug("pipeline stopped at +%.2fs", time.monotonic() - t0)
+    metrics.set("probes_loaded", 0)
     if gpu is not None:
-        gpu.shutdown()
-    if health:
+        stopper = threading.Thread(target=gpu.shutdown, daemon=True, name="tracejoin-gpu-stop")
+        stopper.start()
+        stopper.join(max(0.1, deadline - time.monotonic()))
+    if health is not None:
         health.shutdown()
-    log.info("stopped in %.2fs", time.monotonic() - t0)
-    return 0
+    counters = " ".join(f"{k}={v}" for k, v in final_counters(metrics).items())
+    log.info("stopped in %.2fs; %s", time.monotonic() - t0, counters)
+    return EXIT_OK
+
+
+__all__ = ["HealthServer", "build_resource_hook", "declare_metrics", "run_daemon"]

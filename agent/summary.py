@@ -1,183 +1,420 @@
 """The capture summary: per endpoint, where the time went; the slowest requests by trace id;
-the loss counters. Computed from server spans, so `tracejoin report` can recompute it from the
+the loss counters. Computed from server spans only, so `tracejoin report` recomputes it from the
 saved OTLP-JSON file exactly as `capture` printed it.
+
+Memory per request is a few floats (per-endpoint arrays), not the span: a capture that runs for
+hours still summarises in bounded space per request. Every line fits in WIDTH columns.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
-from collections.abc import Iterable
+import math
+import textwrap
+from array import array
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from agent.model import KIND_SERVER, STATUS_ERROR, Span
 
 WIDTH = 100
+NAME = 20  # endpoint column; longer names get a line of their own
 CELL = 10  # one component column: "p50/p99"
+SLOWEST = 5
 
-# (column, attribute, scale to the shown unit)
-COMPONENTS: tuple[tuple[str, str, float], ...] = (
-    ("recvq ms", "tracejoin.tcp.receive_queue_wait_ns", 1e-6),
-    ("runq ms", "tracejoin.sched.runq_wait_ns", 1e-6),
-    ("minflt", "tracejoin.mm.minor_faults", 1.0),
-    ("majflt", "tracejoin.mm.major_faults", 1.0),
-    ("tlb", "tracejoin.tlb.flushes", 1.0),
-    ("dtlb", "tracejoin.tlb.dtlb_load_misses", 1.0),
-    ("gpu busy", "gpu.kernel_active.ratio.avg", 100.0),
-)
+SPANS_FILE = "spans.otlp.jsonl"
+SUMMARY_FILE = "summary.txt"
+COUNTERS_FILE = "counters.json"
+CAPTURE_FILE = "capture.json"
+PERFETTO_FILE = "trace.perfetto.json"
+CAPTURE_FILES = (SPANS_FILE, PERFETTO_FILE, SUMMARY_FILE, COUNTERS_FILE, CAPTURE_FILE)
+
+Attrs = Mapping[str, object]
+
+
+def _num(attrs: Attrs, key: str) -> float | None:
+    v = attrs.get(key)
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v)
+
+
+def _scaled(key: str, scale: float) -> Callable[[Attrs], float | None]:
+    def get(attrs: Attrs) -> float | None:
+        v = _num(attrs, key)
+        return None if v is None else v * scale
+
+    return get
+
+
+def _faults(attrs: Attrs) -> float | None:
+    minor = _num(attrs, "tracejoin.mm.minor_faults")
+    major = _num(attrs, "tracejoin.mm.major_faults")
+    if minor is None and major is None:
+        return None
+    return (minor or 0.0) + (major or 0.0)
+
+
+def _tlb(attrs: Attrs) -> float | None:
+    # One TLB signal per span (docs/attributes.md): hardware misses where a PMU exists,
+    # else kernel-initiated flushes. The legend says which ones the capture had.
+    v = _num(attrs, "tracejoin.tlb.dtlb_load_misses")
+    return v if v is not None else _num(attrs, "tracejoin.tlb.flushes")
 
 
 @dataclass(frozen=True, slots=True)
-class Row:
-    name: str
-    trace_id: str
+class Component:
+    column: str
+    legend: str
+    value: Callable[[Attrs], float | None]
+
+
+COMPONENTS: tuple[Component, ...] = (
+    Component(
+        "recvq ms",
+        "recvq: receive-queue wait, bytes queued on the socket until the server read them",
+        _scaled("tracejoin.tcp.receive_queue_wait_ns", 1e-6),
+    ),
+    Component(
+        "runq ms",
+        "runq: run-queue delay of the reading thread (runnable, not running), summed",
+        _scaled("tracejoin.sched.runq_wait_ns", 1e-6),
+    ),
+    Component(
+        "faults",
+        "faults: page faults of the reading thread, minor + major",
+        _faults,
+    ),
+    Component("tlb", "", _tlb),  # legend depends on the TLB signal: see _tlb_legend
+    Component(
+        "gpu %",
+        "gpu: share of the request's time a GPU kernel ran (NVML, device-wide)",
+        _scaled("tracejoin.gpu.kernel_active.ratio.avg", 100.0),
+    ),
+)
+
+
+def percentile(sorted_vals: list[float], p: float) -> float:
+    """Nearest-rank percentile: the smallest value v with at least p% of the values <= v."""
+    if not sorted_vals:
+        return math.nan
+    rank = math.ceil(round(p * len(sorted_vals), 9) / 100)
+    return sorted_vals[min(len(sorted_vals), max(1, rank)) - 1]
+
+
+@dataclass
+class EndpointStats:
+    count: int = 0
+    errors: int = 0
+    durations_ms: array[float] = field(default_factory=lambda: array("d"))
+    components: list[array[float]] = field(default_factory=lambda: [array("d") for _ in COMPONENTS])
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Slow:
     duration_ns: int
-    error: bool
-    attributes: dict[str, object]
+    trace_id: str
+    name: str
+    status: int  # HTTP status, 0 when none
 
 
 @dataclass
 class Summary:
-    rows: list[Row] = field(default_factory=list)
+    endpoints: dict[str, EndpointStats] = field(default_factory=dict)
+    slowest: list[Slow] = field(default_factory=list)  # a min-heap of the slowest SLOWEST
     counters: dict[str, float] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)  # capture metadata (capture.json)
+    tlb_kinds: set[str] = field(default_factory=set)
+    source: str = ""  # where the spans came from, when there is no capture metadata
+
+    @property
+    def requests(self) -> int:
+        return sum(e.count for e in self.endpoints.values())
+
+    def add(
+        self,
+        name: str,
+        trace_id: str,
+        duration_ns: int,
+        error: bool,
+        status: int,
+        attrs: Attrs,
+    ) -> None:
+        ep = self.endpoints.get(name)
+        if ep is None:
+            ep = self.endpoints[name] = EndpointStats()
+        ep.count += 1
+        ep.errors += error
+        ep.durations_ms.append(duration_ns / 1e6)
+        for comp, values in zip(COMPONENTS, ep.components, strict=True):
+            v = comp.value(attrs)
+            if v is not None:
+                values.append(v)
+        if "tracejoin.tlb.dtlb_load_misses" in attrs:
+            self.tlb_kinds.add("misses")
+        elif "tracejoin.tlb.flushes" in attrs:
+            self.tlb_kinds.add("flushes")
+        item = Slow(duration_ns, trace_id, name, status)
+        if len(self.slowest) < SLOWEST:
+            heapq.heappush(self.slowest, item)
+        elif item > self.slowest[0]:
+            heapq.heapreplace(self.slowest, item)
 
     def add_span(self, span: Span) -> None:
         if span.kind != KIND_SERVER:
             return
         status = span.attributes.get("http.response.status_code", 0)
-        self.rows.append(
-            Row(
-                span.name,
-                span.trace_id_hex,
-                span.duration_ns,
-                span.status_code == STATUS_ERROR or (isinstance(status, int) and status >= 500),
-                dict(span.attributes),
-            )
-        )
+        status = status if isinstance(status, int) else 0
+        error = span.status_code == STATUS_ERROR or status >= 500
+        self.add(span.name, span.trace_id_hex, span.duration_ns, error, status, span.attributes)
 
-    def to_json(self) -> dict[str, object]:
-        return {"counters": self.counters, "requests": len(self.rows)}
+    # ---- text ----------------------------------------------------------------------------
 
-    def format(self, slowest: int = 5) -> str:
+    def format(self) -> str:
         lines: list[str] = []
-        if not self.rows:
-            lines.append(
-                "No HTTP requests were seen. Check the filters (--pid/--port/--comm) "
-                "and that traffic reached this host during the capture."
-            )
+        lines.extend(self._header())
+        if not self.endpoints:
+            lines.append("")
+            lines.extend(_wrap(self._no_requests()))
         else:
+            lines.append("")
             lines.extend(self._endpoint_table())
             lines.append("")
-            lines.append(
-                f"Slowest {min(slowest, len(self.rows))} requests (open the trace id in Jaeger):"
-            )
-            for row in sorted(self.rows, key=lambda r: -r.duration_ns)[:slowest]:
-                lines.append(f"  {row.duration_ns / 1e6:10.2f} ms  {row.trace_id}  {row.name[:44]}")
+            lines.extend(self._legend())
+            lines.append("")
+            lines.extend(self._slowest())
         lines.append("")
-        lines.append("Losses:")
-        lines.extend("  " + part for part in _fmt_counters(self.counters))
-        return "\n".join(line[:WIDTH] for line in lines)
+        lines.extend(self._losses())
+        return "\n".join(_fit(line) for line in lines)
+
+    def _header(self) -> list[str]:
+        i = self.info
+        n = self.requests
+        reqs = f"{n} request{'s' if n != 1 else ''}"
+        if not i:
+            return _wrap(f"{reqs} in {self.source or 'the spans given'}.")
+        text = f"Capture of {i.get('duration_s', 0):.1f} s"
+        if i.get("started_utc"):
+            text += f" from {i['started_utc']}"
+        if i.get("stopped_by"):
+            text += f" (stopped by {i['stopped_by']})"
+        text += f": {reqs}"
+        unsampled = int(self.counters.get("requests_unsampled", 0))
+        if unsampled:
+            text += f" (and {unsampled} their callers did not sample: no span, not counted)"
+        text += f"; filters: {i.get('filters') or 'none (every process and port)'}"
+        text += f"; TLB signal: {i.get('tlb_mode', '?')}; GPU: {i.get('gpu', '?')}."
+        return _wrap(text)
+
+    def _no_requests(self) -> str:
+        filters = self.info.get("filters") or "none"
+        duration = self.info.get("duration_s")
+        during = f" during the {duration:.1f} s capture" if duration is not None else ""
+        return (
+            f"No HTTP requests were seen{during}. Check the filters ({filters}) and that "
+            "HTTP/1.x traffic reached a process on this host while it ran."
+        )
 
     def _endpoint_table(self) -> list[str]:
-        groups: dict[str, list[Row]] = {}
-        for row in self.rows:
-            groups.setdefault(row.name, []).append(row)
-        # At most four components fit beside the latency columns in 100 columns; the ones with
-        # data win, in COMPONENTS order (queueing first: it is what operators look for first).
-        present = [c for c in COMPONENTS if any(c[1] in r.attributes for r in self.rows)][:4]
-        head = f"{'endpoint':<28}{'count':>6}{'err':>5}{'p50 ms':>9}{'p99 ms':>9}"
-        for col, _, _ in present:
-            head += f"{col:>{CELL}}"
-        out = [
-            head,
-            " " * 57 + f"{'(p50/p99)':>{CELL}}" * len(present) if present else "",
-            "-" * len(head),
-        ]
-        for name, rows in sorted(groups.items(), key=lambda kv: -len(kv[1])):
-            durs = sorted(r.duration_ns / 1e6 for r in rows)
-            line = (
-                f"{name[:27]:<28}{len(rows):>6}{sum(r.error for r in rows):>5}"
-                f"{_pct(durs, 50):>9.2f}{_pct(durs, 99):>9.2f}"
+        head = f"{'endpoint':<{NAME}}{'count':>6}{'err':>5}{'p50 ms':>9}{'p99 ms':>9}"
+        head += "".join(f"{c.column:>{CELL}}" for c in COMPONENTS)
+        sub = " " * (NAME + 29) + f"{'p50/p99':>{CELL}}" * len(COMPONENTS)
+        out = [head, sub, "-" * len(head)]
+        order = sorted(self.endpoints.items(), key=lambda kv: (-kv[1].count, kv[0]))
+        for name, ep in order:
+            durs = sorted(ep.durations_ms)
+            nums = (
+                f"{ep.count:>6}{ep.errors:>5}"
+                f"{_ms(percentile(durs, 50)):>9}{_ms(percentile(durs, 99)):>9}"
             )
-            for _col, attr, scale in present:
-                vals = sorted(
-                    float(r.attributes[attr]) * scale  # type: ignore[arg-type]
-                    for r in rows
-                    if attr in r.attributes
-                )
-                cell = f"{_short(_pct(vals, 50))}/{_short(_pct(vals, 99))}" if vals else "-"
-                line += f"{cell:>{CELL}}"
-            out.append(line)
+            for values in ep.components:
+                vals = sorted(values)
+                cell = f"{_short(percentile(vals, 50))}/{_short(percentile(vals, 99))}"
+                nums += f"{cell if vals else '-':>{CELL}}"
+            if len(name) < NAME:
+                out.append(f"{name:<{NAME}}{nums}")
+            else:
+                out.append(name)
+                out.append(" " * NAME + nums)
+        return out
+
+    def _legend(self) -> list[str]:
+        lines = [
+            "p50/p99: nearest-rank percentiles over the endpoint's requests (the p-th percentile "
+            "is the smallest value at least p% of them do not exceed); err: 5xx or no response; "
+            "-: no request had the signal.",
+            *(c.legend + "." if c.legend else _tlb_legend(self.tlb_kinds) for c in COMPONENTS),
+        ]
+        out: list[str] = []
+        for text in lines:
+            out.extend(_wrap(text))
+        return out
+
+    def _slowest(self) -> list[str]:
+        slow = sorted(self.slowest, reverse=True)
+        out = [f"Slowest {len(slow)} requests (open the trace id in Jaeger):"]
+        for s in slow:
+            status = str(s.status) if s.status else "-"
+            out.append(f"  {_ms(s.duration_ns / 1e6):>9} ms  {status:>3}  {s.trace_id}  {s.name}")
+        return out
+
+    def _losses(self) -> list[str]:
+        c = self.counters
+        lost = sum(int(c.get(k, 0)) for k, _ in LOSS_COUNTERS)
+        out = [f"Losses: {'none' if lost == 0 else lost}"]
+        for key, what in LOSS_COUNTERS:
+            out.append(f"  {int(c.get(key, 0)):>8}  {what}")
+            if key == "spans_dropped":
+                for k in sorted(c):
+                    if k.startswith("spans_dropped{") and c[k]:
+                        out.append(f"  {int(c[k]):>8}    {k[len('spans_dropped') :]}")
         return out
 
 
-def _short(v: float) -> str:
-    if v == int(v) or v >= 100:
+def _tlb_legend(kinds: set[str]) -> str:
+    if kinds == {"misses"}:
+        return "tlb: hardware dTLB load misses of the reading thread."
+    if kinds == {"flushes"}:
+        return "tlb: TLB flushes in the reading thread (no hardware PMU here: flushes, not misses)."
+    if kinds:
+        return "tlb: dTLB load misses where a PMU was available, else TLB flushes (not misses)."
+    return "tlb: no TLB signal in this capture."
+
+
+def _ms(v: float) -> str:
+    """At most 8 characters: 31.51, 12345, 1.2M (beyond a million milliseconds)."""
+    if math.isnan(v):
+        return "-"
+    if v < 9999.995:
+        return f"{v:.2f}"
+    if v < 999_999.5:
         return f"{v:.0f}"
-    return f"{v:.2f}"
+    return _short(v)
 
 
-def _pct(sorted_vals: list[float], p: float) -> float:
-    """Nearest-rank percentile."""
-    if not sorted_vals:
-        return 0.0
-    k = max(0, min(len(sorted_vals) - 1, round(p / 100 * len(sorted_vals) + 0.5) - 1))
-    return sorted_vals[k]
+def _short(v: float) -> str:
+    """At most 4 characters: 0.91, 31.5, 300, 4.2k, 12M."""
+    if math.isnan(v):
+        return "-"
+    a = abs(v)
+    if a < 999.5:
+        digits = 2 if a < 9.995 else 1 if a < 99.95 else 0
+        r = round(v, digits)
+        # whole numbers stay whole: counts (faults, TLB events), and 40 % rather than 40.0
+        return f"{r:.0f}" if r == int(r) else f"{r:.{digits}f}"
+    for div, suffix in ((1e3, "k"), (1e6, "M"), (1e9, "G")):
+        if a / div < 9.95:
+            return f"{v / div:.1f}{suffix}"
+        if a / div < 999.5:
+            return f"{v / div:.0f}{suffix}"
+    return f"{v:.0e}"
+
+
+def _wrap(text: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, break_on_hyphens=False) or [""]
+
+
+def _fit(line: str) -> str:
+    return line if len(line) <= WIDTH else line[: WIDTH - 3] + "..."
 
 
 LOSS_COUNTERS = (
     ("kernel_ringbuf_full", "records the kernel could not queue (ring buffer full)"),
+    ("kernel_request_state_lost", "requests whose kernel state was evicted before the response"),
+    ("kernel_pipeline_slots_full", "pipelined requests beyond the per-connection limit"),
+    ("decode_errors", "malformed records"),
     ("records_dropped_userspace", "records read but not turned into spans"),
     ("spans_dropped", "spans not delivered to a destination"),
-    ("decode_errors", "malformed records"),
-    ("kernel_request_state_lost", "requests whose kernel state was evicted"),
-    ("kernel_pipeline_slots_full", "pipelined requests beyond the per-connection limit"),
 )
 
 
-def _fmt_counters(counters: dict[str, float]) -> list[str]:
-    return [f"{int(counters.get(k, 0)):>8}  {what}" for k, what in LOSS_COUNTERS]
+# ---- reading saved files -----------------------------------------------------------------
+
+_SERVER_KINDS = (KIND_SERVER, "SPAN_KIND_SERVER")
+_ERROR_CODES = (STATUS_ERROR, "STATUS_CODE_ERROR")
 
 
-def rows_from_otlp_json(lines: Iterable[str]) -> list[Row]:
-    """Server-span rows from OTLP/JSON ExportTraceServiceRequest lines."""
-    rows = []
-    for line in lines:
-        if not line.strip():
-            continue
-        req = json.loads(line)
-        for rs in req.get("resourceSpans", []):
-            for ss in rs.get("scopeSpans", []):
-                for sp in ss.get("spans", []):
-                    if sp.get("kind") != KIND_SERVER:
-                        continue
-                    attrs = {
-                        a["key"]: _json_value(a.get("value", {})) for a in sp.get("attributes", [])
-                    }
-                    dur = int(sp["endTimeUnixNano"]) - int(sp["startTimeUnixNano"])
-                    status = attrs.get("http.response.status_code", 0)
-                    err = sp.get("status", {}).get("code") == STATUS_ERROR or (
-                        isinstance(status, int) and status >= 500
-                    )
-                    rows.append(Row(sp["name"], sp["traceId"], dur, err, attrs))
-    return rows
+def add_otlp_json(summary: Summary, request: Mapping[str, Any]) -> int:
+    """Add the server spans of one OTLP/JSON ExportTraceServiceRequest; returns spans seen."""
+    n = 0
+    for rs in request.get("resourceSpans") or []:
+        for ss in rs.get("scopeSpans") or []:
+            for sp in ss.get("spans") or []:
+                n += 1
+                if sp.get("kind") not in _SERVER_KINDS:
+                    continue
+                attrs = {a["key"]: _json_value(a.get("value") or {}) for a in sp.get("attributes")}
+                dur = int(sp.get("endTimeUnixNano", 0)) - int(sp.get("startTimeUnixNano", 0))
+                status = attrs.get("http.response.status_code", 0)
+                status = status if isinstance(status, int) else 0
+                error = (sp.get("status") or {}).get("code") in _ERROR_CODES or status >= 500
+                summary.add(sp["name"], sp["traceId"].lower(), dur, error, status, attrs)
+    return n
 
 
-def _json_value(v: dict[str, object]) -> object:
+def _json_value(v: Mapping[str, Any]) -> object:
     if "intValue" in v:
-        return int(v["intValue"])  # type: ignore[call-overload]
-    for k in ("stringValue", "boolValue", "doubleValue"):
+        return int(v["intValue"])
+    if "doubleValue" in v:
+        return float(v["doubleValue"])
+    for k in ("stringValue", "boolValue"):
         if k in v:
             return v[k]
     return None
 
 
+def read_otlp_json(path: Path) -> Iterator[dict[str, Any]]:
+    """ExportTraceServiceRequests from an OTLP/JSON file: one per line (as tracejoin and the
+    Collector's file exporter write), or one whole, possibly indented, document."""
+    text = path.read_text(encoding="utf-8")
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        doc = None
+    if isinstance(doc, dict):
+        yield doc
+        return
+    for no, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}, line {no}: not OTLP/JSON: {exc.msg}") from None
+        if not isinstance(req, dict):
+            raise ValueError(f"{path}, line {no}: not an OTLP/JSON request object")
+        yield req
+
+
 def load_report(path: Path) -> Summary:
-    """Summary from a capture directory (or its spans file)."""
-    spans_file = path / "spans.otlp.jsonl" if path.is_dir() else path
-    with spans_file.open() as fh:
-        summary = Summary(rows=rows_from_otlp_json(fh))
-    counters_file = spans_file.parent / "counters.json"
-    if counters_file.exists():
-        summary.counters = json.loads(counters_file.read_text())
+    """The summary of a capture directory, or of an OTLP/JSON spans file.
+
+    A capture's other files (summary.txt, trace.perfetto.json, ...) stand for their directory.
+    Counters and capture details come from counters.json and capture.json beside the spans.
+    """
+    if path.is_file() and path.name in CAPTURE_FILES and path.name != SPANS_FILE:
+        path = path.parent
+    if path.is_dir():
+        spans_file = path / SPANS_FILE
+        if not spans_file.is_file():
+            raise ValueError(f"no {SPANS_FILE} in {path}: not a tracejoin capture directory")
+    else:
+        spans_file = path
+    summary = Summary()
+    for req in read_otlp_json(spans_file):
+        try:
+            add_otlp_json(summary, req)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{spans_file}: malformed OTLP/JSON span ({exc!r})") from None
+    folder = spans_file.parent
+    if spans_file.name == SPANS_FILE:
+        counters, info = folder / COUNTERS_FILE, folder / CAPTURE_FILE
+        if counters.is_file():
+            summary.counters = json.loads(counters.read_text())
+        if info.is_file():
+            summary.info = json.loads(info.read_text())
+    summary.source = str(spans_file)
     return summary
