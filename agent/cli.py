@@ -160,15 +160,16 @@ def _builder_factory(
 
 
 def _require_root() -> None:
-    if os.geteuid() != 0:
-        from agent.doctor import missing_capabilities
+    """Fail before compiling anything when the effective capabilities cannot load the probes.
+    CapEff decides, not the uid: root in a container can lack CAP_BPF."""
+    from agent.doctor import missing_capabilities
 
-        missing = missing_capabilities()
-        if missing:
-            raise click.ClickException(
-                f"missing capabilities {', '.join(missing)}: run as root or grant them "
-                "(see docs/operations.md)"
-            )
+    missing = missing_capabilities()
+    if missing:
+        raise click.ClickException(
+            f"missing capabilities {', '.join(missing)}: grant them, or run as root with them "
+            "(see docs/operations.md)"
+        )
 
 
 # ------------------------------------------------------------------------------- capture

@@ -67,12 +67,18 @@ def _addr(family: int, raw: bytes) -> str:
 
 
 class ConnectionTable:
-    """4-tuples for records whose connection predates the probes (no REQF_TUPLE): resolved once
-    per connection from /proc/<pid>/fd/<fd> -> socket inode -> /proc/<pid>/net/tcp{,6}."""
+    """4-tuples for records whose connection predates the probes (no REQF_TUPLE): resolved from
+    /proc/<pid>/fd/<fd> -> socket inode -> /proc/<pid>/net/tcp{,6}.
 
-    def __init__(self, max_entries: int = 65536) -> None:
+    Parsing /proc/net/tcp costs milliseconds on a busy host, and this runs on the reader
+    thread: each network namespace's table is parsed at most once per `refresh_s` and shared by
+    every lookup meanwhile; results are cached per connection."""
+
+    def __init__(self, max_entries: int = 65536, refresh_s: float = 1.0) -> None:
         self._cache: dict[int, Endpoints | None] = {}
+        self._tables: dict[str, tuple[float, dict[str, Endpoints]]] = {}
         self._max = max_entries
+        self._refresh_s = refresh_s
         self._lock = threading.Lock()
 
     def endpoints(self, rec: HttpRecord) -> Endpoints | None:
@@ -86,35 +92,48 @@ class ConnectionTable:
         with self._lock:
             if rec.conn_id in self._cache:
                 return self._cache[rec.conn_id]
-        found = resolve_from_proc(rec.pid, rec.fd)
+        found = self._resolve(rec.pid, rec.fd)
         with self._lock:
             if len(self._cache) >= self._max:
                 self._cache.clear()
             self._cache[rec.conn_id] = found
         return found
 
+    def _resolve(self, pid: int, fd: int) -> Endpoints | None:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            netns = os.readlink(f"/proc/{pid}/ns/net")
+        except OSError:
+            return None
+        if not link.startswith("socket:["):
+            return None
+        inode = link[8:-1]
+        now = time.monotonic()
+        taken, table = self._tables.get(netns, (-1e9, {}))
+        if inode not in table and now - taken >= self._refresh_s:
+            table = read_tcp_table(pid)
+            if len(self._tables) > 256:
+                self._tables.clear()
+            self._tables[netns] = (now, table)
+        return table.get(inode)
 
-def resolve_from_proc(pid: int, fd: int) -> Endpoints | None:
-    try:
-        link = os.readlink(f"/proc/{pid}/fd/{fd}")
-    except OSError:
-        return None
-    if not link.startswith("socket:["):
-        return None
-    inode = link[8:-1]
+
+def read_tcp_table(pid: int) -> dict[str, Endpoints]:
+    """Socket inode -> endpoints for the TCP sockets of pid's network namespace."""
+    out: dict[str, Endpoints] = {}
     for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         try:
             with open(f"/proc/{pid}/net/{name}") as fh:
                 next(fh)
                 for line in fh:
                     cols = line.split()
-                    if len(cols) > 9 and cols[9] == inode:
+                    if len(cols) > 9:
                         lhost, lport = _proc_addr(cols[1], family)
                         rhost, rport = _proc_addr(cols[2], family)
-                        return Endpoints(lhost, lport, rhost, rport)
-        except OSError:
+                        out[cols[9]] = Endpoints(lhost, lport, rhost, rport)
+        except (OSError, StopIteration):
             continue
-    return None
+    return out
 
 
 def _proc_addr(field: str, family: int) -> tuple[str, int]:

@@ -59,6 +59,12 @@ class OptionalSignal:
 OPTIONAL_SIGNALS: tuple[OptionalSignal, ...] = (
     OptionalSignal("recvq", "WITH_RECVQ", ("sock:sk_data_ready",), "TCP receive-queue wait"),
     OptionalSignal(
+        "tuple_at_read",
+        "WITH_TUPLE_AT_READ",
+        ("tcp:tcp_rcv_space_adjust",),
+        "4-tuple and port filter for connections older than the agent",
+    ),
+    OptionalSignal(
         "tcp_stats",
         "WITH_TCPSTATS",
         ("tcp:tcp_retransmit_skb", "tcp:tcp_probe"),

@@ -414,6 +414,48 @@ TRACEPOINT_PROBE(tcp, tcp_destroy_sock)
     return 0;
 }
 
+#ifdef WITH_TUPLE_AT_READ
+/* Fires inside every TCP read that copied data, before sock_recv_length, with the socket and
+ * its 4-tuple: a connection older than the agent, or evicted from `conns`, gets its tuple (and
+ * the port filter) here rather than from /proc. Only threads that passed the pid/comm filters
+ * at syscall entry (a pending read) create state. */
+TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
+{
+    u64 sk = (u64)args->skaddr;
+    struct conn *c = conns.lookup(&sk);
+    if (c && (c->flags & CONN_TUPLE))
+        return 0;
+    if (!c) {
+        u64 id = bpf_get_current_pid_tgid();
+        if (!pending_rd.lookup(&id))
+            return 0;
+        struct conn fresh = {};
+        fresh.conn_id = new_conn_id();
+        conns.update(&sk, &fresh);
+        c = conns.lookup(&sk);
+        if (!c)
+            return 0;
+    }
+    c->family = args->family;
+    c->lport = args->sport;
+    c->rport = args->dport;
+    if (args->family == AF_INET_) {
+        __builtin_memcpy(c->laddr, args->saddr, 4);
+        __builtin_memcpy(c->raddr, args->daddr, 4);
+    } else {
+        __builtin_memcpy(c->laddr, args->saddr_v6, 16);
+        __builtin_memcpy(c->raddr, args->daddr_v6, 16);
+    }
+    c->flags |= CONN_TUPLE;
+#ifdef FILTER_PORT
+    u16 port = args->sport;
+    if (!filter_port.lookup(&port))
+        c->flags |= CONN_IGNORED;
+#endif
+    return 0;
+}
+#endif
+
 #ifdef WITH_RECVQ
 TRACEPOINT_PROBE(sock, sk_data_ready)
 {
@@ -501,6 +543,11 @@ TRACEPOINT_PROBE(sock, sock_recv_length)
          * user space resolves the tuple from the fd. */
         struct conn fresh = {};
         fresh.conn_id = new_conn_id();
+#if defined(FILTER_PORT) && !defined(WITH_TUPLE_AT_READ)
+        /* Its port is unknown here (no tcp_rcv_space_adjust), so the port filter cannot
+         * admit it: a filter must never let another port through (docs/probes.md). */
+        fresh.flags = CONN_IGNORED;
+#endif
         conns.update(&sk, &fresh);
         c = conns.lookup(&sk);
         if (!c)
@@ -849,7 +896,12 @@ int scan_req(void *ctx)
         if (!mlen) {
             c->rq_plen = 0;
             if (!(c->flags & CONN_SEEN_REQ)) {
-                count(CNT_NON_HTTP);
+                /* A response being read ("HTTP/"): a client's socket we met mid-life (older
+                 * than the agent, or evicted), not a non-HTTP server connection. */
+                if (!(s->n - s->off >= 5 && BYTE(s->off) == 'H' && BYTE(s->off + 1) == 'T' &&
+                      BYTE(s->off + 2) == 'T' && BYTE(s->off + 3) == 'P' &&
+                      BYTE(s->off + 4) == '/'))
+                    count(CNT_NON_HTTP);
                 c->flags |= CONN_IGNORED;
             }
             goto out;   /* not a request line: an unframed body, or noise: skip this read */
