@@ -123,11 +123,22 @@ class Agent:
 
 @contextmanager
 def server(
-    mode: str, port: int, env: dict[str, str] | None = None, cpu: int | None = None
+    mode: str,
+    port: int,
+    env: dict[str, str] | None = None,
+    cpu: int | None = None,
+    comm: str | None = None,
 ) -> Iterator[subprocess.Popen[str]]:
-    """Start a test server and wait for its "ready" line and its port to accept."""
+    """Start a test server and wait for its "ready" line and its port to accept. `comm` runs
+    the Go server under that process name (through a symlink of that name)."""
     if mode == "go":
-        cmd = [str(go_server_binary()), str(port)]
+        binary = go_server_binary()
+        if comm:
+            link = CACHE / comm
+            link.unlink(missing_ok=True)
+            link.symlink_to(binary)
+            binary = link
+        cmd = [str(binary), str(port)]
     else:
         cmd = [sys.executable, str(PYSERVER), mode, str(port)]
     if cpu is not None:

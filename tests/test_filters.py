@@ -24,8 +24,9 @@ def _hit(port: int) -> int:
 @pytest.mark.parametrize("by", ["pid", "comm"])
 def test_only_the_selected_process_is_traced(require_root, by):
     go_port, py_port = free_ports(2)
-    with server("go", go_port) as go, server("threaded", py_port):
-        cfg = ProbeConfig(pids=(go.pid,)) if by == "pid" else ProbeConfig(comm="tj-goserver")
+    comm = f"tjf{go_port}"  # unique: other Go servers on this host must not match
+    with server("go", go_port, comm=comm) as go, server("threaded", py_port):
+        cfg = ProbeConfig(pids=(go.pid,)) if by == "pid" else ProbeConfig(comm=comm)
         agent = Agent([], None, probe_config=cfg)
         agent.start()
         try:
