@@ -215,10 +215,12 @@ def _capture(
     gpu, gpu_text = _start_sampler(s, metrics, gpu_sampler)
     pipeline = Pipeline(
         probe_config,
-        _builder_factory(s, metrics, gpu.join if gpu is not None else None),
+        _builder_factory(s, metrics),
         destinations,
         metrics,
         on_spans=on_spans,
+        gpu=gpu,
+        gpu_hold_s=3.0 / s.gpu_sample_hz,
     )
     try:
         pipeline.start()

@@ -139,9 +139,7 @@ def start_gpu_sampler(s: Settings, metrics: Metrics) -> Any:
     return sampler
 
 
-def _builder_factory(
-    s: Settings, metrics: Metrics, gpu_join: Any = None, resource_for_pid: Any = None
-) -> Any:
+def _builder_factory(s: Settings, metrics: Metrics, resource_for_pid: Any = None) -> Any:
     from agent.spans import SpanBuilder
 
     def make(tlb_mode: str) -> SpanBuilder:
@@ -152,7 +150,6 @@ def _builder_factory(
             unsampled=s.unsampled,
             runq_child_threshold_ns=int(s.runq_threshold_ms * 1e6),
             tlb_mode=tlb_mode,
-            gpu_join=gpu_join,
             resource_for_pid=resource_for_pid,
         )
 

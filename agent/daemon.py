@@ -272,12 +272,13 @@ def run_daemon(s: Settings, probe_config: ProbeConfig, spans_file: Path | None) 
         metrics.set("gpu_sampler_running", 0)
         if not s.gpu:
             metrics.set("gpu_nvml_available", 0)
-    gpu_join = gpu.join if gpu is not None else None
     pipeline = Pipeline(
         probe_config,
-        _builder_factory(s, metrics, gpu_join, resource_for_pid=resource_for_pid),
+        _builder_factory(s, metrics, resource_for_pid=resource_for_pid),
         destinations,
         metrics,
+        gpu=gpu,
+        gpu_hold_s=3.0 / s.gpu_sample_hz,
     )
     if health is not None:
         health.pipeline = pipeline

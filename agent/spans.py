@@ -46,8 +46,6 @@ _ID_SEGMENT = re.compile(
 )
 MAX_ROUTE_SEGMENTS = 4
 
-GpuJoin = Callable[[int, int, int], dict[str, AttrValue]]  # (pid, start_ns, end_ns) -> attrs
-
 
 def route_of(path: str) -> str:
     """Bounded-cardinality route for span names: ids -> {id}, at most 4 segments."""
@@ -72,7 +70,6 @@ class SpanBuilder:
         unsampled: str = "follow",  # "follow": no span, like the caller; "record": a span anyway
         runq_child_threshold_ns: int = 1_000_000,
         tlb_mode: str = "off",
-        gpu_join: GpuJoin | None = None,
         resource_for_pid: Callable[[int], dict[str, AttrValue]] | None = None,
     ) -> None:
         self.metrics = metrics
@@ -85,7 +82,6 @@ class SpanBuilder:
         self.unsampled = unsampled
         self.runq_child_threshold_ns = runq_child_threshold_ns
         self.tlb_mode = tlb_mode
-        self.gpu_join = gpu_join
         self.resource_for_pid = resource_for_pid
         self._resources: dict[int, Resource] = {}
         self._host = socket.gethostname()
@@ -188,8 +184,6 @@ class SpanBuilder:
             attrs["tracejoin.tlb.full_flushes"] = rec.tlb_b
 
         start_ns, end_ns = to_epoch(start_mono), to_epoch(end_mono)
-        if self.gpu_join is not None:
-            attrs.update(self.gpu_join(rec.pid, start_ns, end_ns))
 
         status, message = STATUS_UNSET, ""
         if rec.flags & REQF_NO_RESPONSE:
