@@ -1,0 +1,3 @@
+module tracejoin.dev/bench/loadgen
+
+go 1.22

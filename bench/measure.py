@@ -1,0 +1,422 @@
+"""The processes bench/run.py drives, and what it reads from them.
+
+- the traced server: tests/servers/goserver (Go net/http; `/` answers in µs, `/sleep?ms=N`
+  sleeps N ms), pinned to one CPU;
+- the agent: the real `tracejoin run` (probes -> decode -> spans -> OTLP-JSON file on tmpfs),
+  a separate process pinned to one CPU; its /metrics give the loss counters;
+- load: `wrk` (closed loop, saturation) with bench/traceparent.lua, and bench/loadgen
+  (`tj-loadgen rate`: open loop, constant rate); every request carries a unique traceparent;
+- an unrelated process: `tj-loadgen syscall` (ns per read/write/getppid call);
+- /proc: CPU time and peak RSS per process, busy time per CPU; BPF run time per program
+  (kernel.bpf_stats_enabled, bpftool), for the agent's own programs only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.harness import CACHE, free_ports, go_server_binary
+
+HERE = Path(__file__).parent
+LOADGEN_SRC = HERE / "loadgen"
+LUA = HERE / "traceparent.lua"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+TRACING_PROG_TYPES = {"tracepoint", "raw_tracepoint", "perf_event", "kprobe", "tracing"}
+
+_build_lock = threading.Lock()
+
+
+def loadgen_binary() -> Path:
+    """bench/loadgen built once and cached beside the test server (stdlib only: no downloads)."""
+    out = CACHE / "tj-loadgen"
+    src = LOADGEN_SRC / "main.go"
+    with _build_lock:
+        if not out.exists() or out.stat().st_mtime < src.stat().st_mtime:
+            CACHE.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["go", "build", "-o", str(out), "."], cwd=LOADGEN_SRC, check=True)
+    return out
+
+
+def pinned(cmd: list[str], cpu: int | None, nice: int = 0) -> list[str]:
+    if cpu is not None:
+        cmd = ["taskset", "-c", str(cpu), *cmd]
+    return ["nice", "-n", str(nice), *cmd] if nice else cmd
+
+
+def repin(pid: int, cpu: int | None) -> None:
+    """Move every thread of a running process to `cpu` (None: all CPUs)."""
+    cpus = set(range(os.cpu_count() or 1)) if cpu is None else {cpu}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cpus)
+
+
+# ------------------------------------------------------------------------------ /proc
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process, all its threads, exited ones included."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
+
+
+def proc_status_kb(pid: int, key: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def cpu_jiffies() -> dict[str, tuple[int, int]]:
+    """Per CPU (busy, total) jiffies from /proc/stat."""
+    out = {}
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("cpu") and line[3].isdigit():
+                name, *vals = line.split()
+                v = [int(x) for x in vals]
+                idle = v[3] + v[4]  # idle + iowait
+                out[name] = (sum(v[:8]) - idle, sum(v[:8]))
+    return out
+
+
+PF_KTHREAD = 0x00200000
+
+
+def process_cpu_table() -> dict[int, float]:
+    """CPU seconds (user+sys) of every user-space process now, by pid (kernel threads left out:
+    ksoftirqd works for our own network load)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[6]) & PF_KTHREAD:
+            continue
+        out[int(entry)] = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out
+
+
+def other_cpu_seconds(a: dict[int, float], b: dict[int, float], mine: set[int]) -> float:
+    """CPU used between two process_cpu_table() snapshots by processes that are not `mine`
+    (nor children of this process, which are the load generators): other people's work."""
+    me = os.getpid()
+    total = 0.0
+    for pid, cpu in b.items():
+        if pid in mine or pid == me or _ppid(pid) == me:
+            continue
+        total += cpu - a.get(pid, 0.0)
+    return max(0.0, total)
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return -1
+
+
+def busy_fraction(a: dict[str, tuple[int, int]], b: dict[str, tuple[int, int]]) -> dict[str, float]:
+    return {
+        cpu: round((b[cpu][0] - a[cpu][0]) / max(1, b[cpu][1] - a[cpu][1]), 3)
+        for cpu in a
+        if cpu in b
+    }
+
+
+# ------------------------------------------------------------------------------ BPF stats
+
+
+def own_prog_ids(pid: int) -> set[int]:
+    """BPF program ids the process holds file descriptors for (from /proc/PID/fdinfo)."""
+    ids = set()
+    fd_dir = Path(f"/proc/{pid}/fdinfo")
+    for fdinfo in fd_dir.iterdir():
+        with contextlib.suppress(OSError):
+            text = fdinfo.read_text()
+            m = re.search(r"^prog_id:\s*(\d+)", text, re.M)
+            if m:
+                ids.add(int(m.group(1)))
+    return ids
+
+
+def bpf_progs() -> list[dict[str, Any]]:
+    """Every loaded BPF program as bpftool shows it (run_time_ns/run_cnt with stats on)."""
+    out = subprocess.run(
+        ["bpftool", "prog", "show", "-j"], capture_output=True, text=True, check=True
+    ).stdout
+    return json.loads(out or "[]")
+
+
+def prog_stats(ids: set[int]) -> dict[int, dict[str, Any]]:
+    return {
+        p["id"]: {
+            "name": p.get("name", "?"),
+            "run_time_ns": int(p.get("run_time_ns", 0)),
+            "run_cnt": int(p.get("run_cnt", 0)),
+        }
+        for p in bpf_progs()
+        if p["id"] in ids
+    }
+
+
+def foreign_tracing_progs(own: set[int]) -> int:
+    """Tracing programs loaded by someone else (another tracejoin under test, say): noise."""
+    try:
+        return sum(1 for p in bpf_progs() if p["type"] in TRACING_PROG_TYPES and p["id"] not in own)
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        return -1
+
+
+class BpfStatsSwitch:
+    """kernel.bpf_stats_enabled on for a while, then back to what it was (also on exit)."""
+
+    PATH = Path("/proc/sys/kernel/bpf_stats_enabled")
+
+    def __init__(self) -> None:
+        self.saved: str | None = None
+
+    def on(self) -> None:
+        if self.saved is None:
+            self.saved = self.PATH.read_text().strip()
+        self.PATH.write_text("1\n")
+
+    def restore(self) -> None:
+        if self.saved is not None:
+            with contextlib.suppress(OSError):
+                self.PATH.write_text(self.saved + "\n")
+            self.saved = None
+
+
+# ------------------------------------------------------------------------------ processes
+
+
+@contextlib.contextmanager
+def go_server(port: int, cpu: int | None) -> Iterator[subprocess.Popen[str]]:
+    """The Go net/http test server (GOMAXPROCS follows the pinned CPU set)."""
+    proc = subprocess.Popen(
+        pinned([str(go_server_binary()), str(port)], cpu), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if "ready" not in line:
+            raise RuntimeError(f"goserver did not start: {line!r}")
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def otlp_sink(cpu: int | None) -> Iterator[int]:
+    """bench/otlp_sink on a free port: an OTLP/HTTP endpoint that discards. Yields the port."""
+    (port,) = free_ports(1)
+    cmd = [sys.executable, "-m", "bench.otlp_sink", str(port)]
+    proc = subprocess.Popen(pinned(cmd, cpu), stdout=subprocess.PIPE, text=True, cwd=HERE.parent)
+    try:
+        assert proc.stdout is not None
+        if "ready" not in proc.stdout.readline():
+            raise RuntimeError("the OTLP sink did not start")
+        yield port
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@dataclass
+class AgentRun:
+    """One `tracejoin run` process: start, counters, CPU, memory, stop. Spans go to an OTLP/HTTP
+    endpoint (`sink_port`: protobuf, the production path) or, without one, to an OTLP-JSON file
+    on tmpfs."""
+
+    ports: list[int]
+    cpu: int | None
+    sink_port: int | None = None
+    extra_args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[str] | None = None
+    startup_s: float = 0.0  # process start -> "ready" log line
+    load_s: float = 0.0  # the agent's own figure: BCC compile + attach
+    stop_s: float = 0.0
+    peak_rss_kb: int = 0
+    rss_kb: dict[str, int] = field(default_factory=dict)  # at stop: VmRSS, RssAnon, RssFile
+    log: list[str] = field(default_factory=list)
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="tjbench-", dir=_tmpfs()))
+        self.spans_file = self._dir / "spans.otlp.jsonl"
+        (self.metrics_port,) = free_ports(1)
+        tracejoin = Path(sys.executable).parent / "tracejoin"
+        cmd = [str(tracejoin), "run"]
+        if self.sink_port is None:
+            cmd += ["--spans-file", str(self.spans_file)]
+        else:
+            endpoint = f"http://127.0.0.1:{self.sink_port}"
+            cmd += ["--otlp-endpoint", endpoint, "--otlp-protocol", "http/protobuf"]
+        cmd += ["--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1"]
+        for p in self.ports:
+            cmd += ["--port", str(p)]
+        ready = threading.Event()
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            pinned(cmd + self.extra_args, self.cpu),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            # the OTEL_* variables of whoever runs the bench must not redirect the spans
+            env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+        )
+
+        def read_log() -> None:
+            assert self.proc is not None and self.proc.stderr is not None
+            for line in self.proc.stderr:
+                self.log.append(line.rstrip())
+                m = re.search(r"ready: probes loaded in ([\d.]+)s", line)
+                if m and not ready.is_set():
+                    self.startup_s = time.monotonic() - t0
+                    self.load_s = float(m.group(1))
+                    ready.set()
+
+        threading.Thread(target=read_log, daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while not ready.wait(0.05):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("tracejoin run did not get ready:\n" + "\n".join(self.log))
+        self.prog_ids = own_prog_ids(self.proc.pid)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def metrics(self) -> dict[str, float]:
+        """Counters from /metrics, summed over their labels (name without the prefix)."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            text = resp.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            series, _, value = line.rpartition(" ")
+            name = series.split("{", 1)[0].removeprefix("tracejoin_").removesuffix("_total")
+            out[name] = out.get(name, 0.0) + float(value)
+        return out
+
+    def cpu_split(self) -> tuple[float, float]:
+        return cpu_seconds(self.pid)
+
+    def wait_drained(self, before: dict[str, float], timeout_s: float = 8.0) -> dict[str, float]:
+        """Wait until the agent has read what the kernel submitted since `before` (or stops
+        making progress); return the counters then."""
+        deadline = time.monotonic() + timeout_s
+        last = -1.0
+        while True:
+            m = self.metrics()
+            d = delta(before, m)
+            want = d.get("kernel_records_submitted", 0) - d.get("kernel_ringbuf_full", 0)
+            got = d.get("records_received", 0)
+            # /metrics renders with 6 significant digits: allow that rounding
+            if got >= want - max(2.0, 2e-6 * m.get("records_received", 0)) and got == last:
+                return m
+            if time.monotonic() > deadline:
+                return m
+            last = got
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(OSError):
+            self.peak_rss_kb = max(self.peak_rss_kb, proc_status_kb(self.proc.pid, "VmHWM"))
+            for key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                self.rss_kb[key] = proc_status_kb(self.proc.pid, key)
+        t0 = time.monotonic()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.stop_s = time.monotonic() - t0
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _tmpfs() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: b[k] - a.get(k, 0.0) for k in b}
+
+
+# ------------------------------------------------------------------------------ load
+
+
+def wrk(
+    port: int, path: str, conns: int, seconds: int, cpu: int | None, nice: int = 0
+) -> dict[str, Any]:
+    """Closed loop, as fast as the server answers: `conns` keep-alive connections, 1 thread."""
+    cmd = ["wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "-s", str(LUA)]
+    cmd.append(f"http://127.0.0.1:{port}{path}")
+    out = subprocess.run(pinned(cmd, cpu, nice), capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
+        if line.startswith("JSON "):
+            r: dict[str, Any] = json.loads(line[5:])
+            r["rps"] = r["requests"] / (r["duration_us"] / 1e6)
+            r["completed"] = r["requests"]
+            r["requests_total"] = r["requests"]
+            return r
+    raise RuntimeError(f"wrk printed no summary:\n{out}")
+
+
+def rate(
+    port: int,
+    path: str,
+    rps: float,
+    seconds: float,
+    conns: int,
+    cpu: int | None,
+    warmup_s: float = 0.5,
+    nice: int = 0,
+) -> dict[str, Any]:
+    """Open loop at a constant rate (bench/loadgen): latency counted from each due time."""
+    cmd = [str(loadgen_binary()), "rate", "-addr", f"127.0.0.1:{port}", "-path", path]
+    cmd += ["-rate", f"{rps:.0f}", "-duration", f"{seconds}s", "-conns", str(conns)]
+    cmd += ["-warmup", f"{warmup_s}s"]
+    out = subprocess.run(pinned(cmd, cpu, nice), capture_output=True, text=True, check=True).stdout
+    r: dict[str, Any] = json.loads(out)
+    r["rps"] = r["achieved_rps"]
+    r["requests_total"] = r["total_sent"]  # the warm-up's requests are traced too
+    return r
+
+
+def syscalls(n: int, rounds: int, cpu: int | None) -> dict[str, Any]:
+    cmd = [str(loadgen_binary()), "syscall", "-n", str(n), "-rounds", str(rounds)]
+    out = subprocess.run(pinned(cmd, cpu), capture_output=True, text=True, check=True).stdout
+    r: dict[str, Any] = json.loads(out)
+    return r

@@ -1,0 +1,215 @@
+"""Where the agent's CPU goes per traced request: the real pipeline, in-process, under cProfile.
+
+    sudo python -m bench.profile_agent [--rate 1000] [--seconds 5] [--top 20] [--no-profile]
+                                        [--batch-ms N] [--destination otlp|file] [--gc]
+
+Builds the pipeline the way `tracejoin run` does (the daemon's span builder and destination:
+OTLP/HTTP protobuf to bench/otlp_sink, or the OTLP-JSON file on tmpfs), starts the Go test
+server on CPU1, and drives it with tj-loadgen at a constant rate that the agent keeps up with
+(no ring-buffer loss). The agent's threads stay on CPU0. Per thread (the ring-buffer reader
+and the exporter) it prints CPU µs per record, measured first without a profiler, then the
+functions with the most own time under cProfile (which inflates everything several times: read
+it for proportions, take the µs from the unprofiled pass).
+
+--batch-ms N swaps the reader loop for the change docs/performance.md proposes: instead of
+waking on every record (ring_buffer_poll: epoll returns as soon as one record is there), consume
+whatever the ring holds every N ms (ring_buffer_consume), so the per-wake-up costs are shared by
+a batch. Everything after the ring buffer is the agent's own code. --gc applies the other
+proposed change: gc.freeze() after start-up and a gen-0 threshold of 100k allocations instead
+of 700 (every span allocates a few dicts; the default collects every few records).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import gc
+import io
+import os
+import pstats
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench import measure as m
+
+LOAD_CPU = [0]  # --load-cpu
+
+
+def thread_cpu(tid: int) -> float:
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / m.CLK_TCK
+
+
+class Watched:
+    """Wraps a thread's target: remembers its native id; optionally profiles it."""
+
+    def __init__(self, name: str, target: Callable[[], None], profile: bool) -> None:
+        self.name = name
+        self.target = target
+        # CPU time, not wall time: the reader blocks in epoll, the exporter on its queue
+        self.prof = cProfile.Profile(time.thread_time) if profile else None
+        self.tid = 0
+        self.started = threading.Event()
+
+    def __call__(self) -> None:
+        self.tid = threading.get_native_id()
+        self.started.set()
+        if self.prof is None:
+            self.target()
+            return
+        self.prof.enable()
+        try:
+            self.target()
+        finally:
+            self.prof.disable()
+
+
+def batched_reader(pipeline: Any, every_s: float) -> Callable[[], None]:
+    """The proposed reader loop: drain the ring every `every_s`, never block in epoll."""
+
+    def loop() -> None:
+        bpf = pipeline.probes._bpf
+        while not pipeline._stop.wait(every_s):
+            bpf.ring_buffer_consume()
+            if getattr(pipeline, "_held", None):  # spans waiting for GPU samples
+                pipeline._release_held()
+
+    return loop
+
+
+def run_once(
+    port: int,
+    rate: float,
+    seconds: float,
+    profile: bool,
+    batch_ms: float = 0,
+    sink_port: int | None = None,
+) -> dict[str, Any]:
+    from agent.cli import _builder_factory, _file_destination, _otlp_destination
+    from agent.config import Settings
+    from agent.metrics import Metrics
+    from agent.pipeline import Pipeline
+    from agent.probes import ProbeConfig
+
+    endpoint = f"http://127.0.0.1:{sink_port}" if sink_port else None
+    settings = Settings(
+        port=(port,), gpu=False, otlp_endpoint=endpoint, otlp_protocol="http/protobuf"
+    )
+    metrics = Metrics()
+    tmp = Path(tempfile.mkdtemp(prefix="tjprof-", dir="/dev/shm"))
+    dest: Any = (
+        _otlp_destination(settings, metrics)
+        if endpoint
+        else _file_destination(tmp / "spans.otlp.jsonl", settings, metrics)
+    )
+    pipeline = Pipeline(
+        ProbeConfig(ports=(port,)), _builder_factory(settings, metrics), [dest], metrics
+    )
+    loop = batched_reader(pipeline, batch_ms / 1e3) if batch_ms else pipeline._read_loop
+    reader = Watched("reader", loop, profile)
+    exporter = Watched("exporter", dest._run, profile)
+    pipeline._read_loop = reader  # type: ignore[method-assign]
+    dest._run = exporter
+    pipeline.start()
+    reader.started.wait(5)
+    exporter.started.wait(5)
+    try:
+        t0 = {w.name: thread_cpu(w.tid) for w in (reader, exporter)}
+        r0 = metrics.total("records_received")
+        proc0 = sum(m.cpu_seconds(os.getpid()))
+        load = m.rate(port, "/", rate, seconds, 16, LOAD_CPU[0], warmup_s=0.3, nice=-10)
+        deadline = time.monotonic() + 10
+        want = load["total_sent"]
+        while metrics.total("records_received") - r0 < want and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.6)  # the file destination flushes every 0.5 s
+        records = metrics.total("records_received") - r0
+        t1 = {w.name: thread_cpu(w.tid) for w in (reader, exporter)}
+        proc1 = sum(m.cpu_seconds(os.getpid()))
+        counters = pipeline.kernel_counters()
+    finally:
+        pipeline.shutdown(5.0)
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+    per = {k: (t1[k] - t0[k]) * 1e6 / max(1, records) for k in t0}
+    return {
+        "records": int(records),
+        "requests": want,
+        "ringbuf_full": counters.get("ringbuf_full", 0),
+        "us_per_record": per,
+        "process_us_per_record": (proc1 - proc0) * 1e6 / max(1, records),
+        "profiles": {w.name: w.prof for w in (reader, exporter) if w.prof is not None},
+    }
+
+
+def top(prof: cProfile.Profile, n: int, records: int) -> str:
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(n)
+    lines = [f"    (µs per record = tottime / {records:,} records)"]
+    stats: dict[Any, Any] = st.stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
+    for (file, line, fn), (_cc, nc, tt, ct, _callers) in rows:
+        where = f"{Path(file).name}:{line}({fn})" if line else fn
+        lines.append(
+            f"    {tt * 1e6 / records:8.2f} own  {ct * 1e6 / records:8.2f} cum  "
+            f"{nc / records:6.2f} calls/rec  {where}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rate", type=float, default=1000.0)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--batch-ms", type=float, default=0.0, help="the batched reader (see above)")
+    ap.add_argument("--destination", choices=["otlp", "file"], default="otlp")
+    ap.add_argument("--gc", action="store_true", help="the proposed GC tuning (see above)")
+    ap.add_argument(
+        "--load-cpu", type=int, default=0, help="CPU of the load generator (1: off the agent's)"
+    )
+    args = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        print("profile_agent: must run as root (BPF)", file=sys.stderr)
+        return 2
+    os.sched_setaffinity(0, {0})
+    LOAD_CPU[0] = args.load_cpu
+    if args.gc:
+        gc.freeze()
+        gc.set_threshold(100_000, 50, 50)
+    (port,) = m.free_ports(1)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(m.go_server(port, 1))
+        sink = stack.enter_context(m.otlp_sink(0)) if args.destination == "otlp" else None
+        plain = run_once(port, args.rate, args.seconds, False, args.batch_ms, sink)
+        print(
+            f"unprofiled: {plain['records']:,} records for {plain['requests']:,} requests "
+            f"(ringbuf_full {plain['ringbuf_full']}); CPU µs per record: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in plain["us_per_record"].items())
+            + f"; whole process {plain['process_us_per_record']:.1f}"
+        )
+        if args.no_profile:
+            return 0
+        prof = run_once(port, args.rate, args.seconds, True, args.batch_ms, sink)
+    print(
+        f"profiled:   {prof['records']:,} records; CPU µs per record: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in prof["us_per_record"].items())
+    )
+    for name, p in prof["profiles"].items():
+        print(f"\n{name} thread, top {args.top} by own time:")
+        print(top(p, args.top, max(1, prof["records"])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The agent's user-space stages, one by one, on a synthetic record (no kernel, no threads).
+
+    python -m bench.stages
+
+One realistic record (GET with a valid sampled traceparent, tuple known, receive-queue wait,
+TLB flush fallback: what the Go server produces) goes through each stage of `tracejoin run` in a
+tight loop: decode, traceparent validation, span building, metrics, and the encoders (OTLP-JSON
+for the file destination `tracejoin run` writes in bench/run.py, OTLP protobuf for the OTLP
+destinations). CPU µs per record, best of 3. What the live agent spends beyond their sum is
+the ring-buffer callback path (BCC's ctypes callback, string_at), the queues and the threads.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from agent import traceparent
+from agent.decode import REC_HTTP, REQF_FIRST_ON_CONN, REQF_TUPLE, HttpRecord, RecordDecoder
+from agent.metrics import Metrics
+from agent.spans import SpanBuilder
+from exporters.otlp_json import encode_request_json
+from exporters.otlp_proto import encode_request_bytes
+
+TP = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+BATCH = 512  # records per encoded request (the queue's default batch)
+
+
+def sample_record() -> bytes:
+    r = HttpRecord()
+    r.type, r.family = REC_HTTP, socket.AF_INET
+    r.method, r.method_len = b"GET", 3
+    r.path, r.path_len = b"/api/items/123", 14
+    r.tp, r.tp_len, r.tp_count = TP, len(TP), 1
+    r.flags = REQF_TUPLE | REQF_FIRST_ON_CONN
+    r.status, r.lport, r.rport = 200, 8080, 40000
+    r.laddr[:4] = [127, 0, 0, 1]
+    r.raddr[:4] = [127, 0, 0, 1]
+    r.pid = r.tid = os.getpid()
+    now = time.monotonic_ns()
+    r.est_ns, r.arrival_ns, r.read_ns = now - 60_000, now - 50_000, now - 40_000
+    r.resp_start_ns, r.end_ns = now - 10_000, now
+    r.nr_switches, r.minflt = 2, 3
+    return bytes(r)
+
+
+def _best_us(fn: Callable[[], object], n: int, per: int = 1) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.process_time()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.process_time() - t0) / n)
+    return best * 1e6 / per
+
+
+def run(n: int = 20_000) -> dict[str, Any]:
+    metrics = Metrics()
+    raw = sample_record()
+    decoder = RecordDecoder(metrics)
+    rec = decoder.decode(raw)
+    assert isinstance(rec, HttpRecord)
+    builder = SpanBuilder(metrics, tlb_mode="flush_fallback")
+    spans = builder.build(rec)
+    per_batch = spans * BATCH
+    reps = max(3, n // 1000)
+    stages = {
+        "decode (bytes -> HttpRecord)": _best_us(lambda: decoder.decode(raw), n),
+        "traceparent.parse (inside build)": _best_us(
+            lambda: traceparent.parse(TP, total_len=len(TP)), n
+        ),
+        "SpanBuilder.build": _best_us(lambda: builder.build(rec), n),
+        "Metrics.inc x2 (records_received, spans_built)": 2
+        * _best_us(lambda: metrics.inc("spans_built", 2), n),
+        "OTLP-JSON encode (file destination)": _best_us(
+            lambda: encode_request_json(per_batch), reps, BATCH
+        ),
+        "OTLP protobuf encode (OTLP destinations)": _best_us(
+            lambda: encode_request_bytes(per_batch), reps, BATCH
+        ),
+    }
+    in_file_path = [k for k in stages if "protobuf" not in k and "inside" not in k]
+    return {
+        "spans_per_record": len(spans),
+        "server_span_attributes": len(spans[0].attributes),
+        "us_per_record": {k: round(v, 2) for k, v in stages.items()},
+        "sum_file_destination_us": round(sum(stages[k] for k in in_file_path), 1),
+    }
+
+
+def format_table(res: dict[str, Any]) -> str:
+    lines = [
+        f"one record -> {res['spans_per_record']} spans ({res['server_span_attributes']} "
+        "attributes on the server span); CPU µs per record, best of 3:"
+    ]
+    for k, v in res["us_per_record"].items():
+        lines.append(f"  {k:<50} {v:>8.2f}")
+    lines.append(
+        f"  {'sum on the path bench/run.py measures (file)':<50} "
+        f"{res['sum_file_destination_us']:>8.1f}"
+    )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    print(format_table(run()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

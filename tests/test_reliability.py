@@ -1,0 +1,991 @@
+"""Issue 8, reliability: every loss counted exactly, bounded memory when the backend is down or
+black-holed, nothing left in the kernel after SIGKILL, churn within the LRU bounds, hostile
+traffic never crashes the agent or produces a wrong trace id. docs/reliability.md lists each
+promise with the test here that holds it.
+
+Each test runs a shortened form by default (CI); TRACEJOIN_FULL_RELIABILITY=1 runs the full
+forms the issue asks for (a 2-minute Jaeger outage, 50+50 kill cycles, 100k connections, 60 s of
+hostile traffic). Figures (CPU, RSS, timings) are printed: run with -s to see them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from harness import Agent, free_ports, server
+from hostile import (
+    OWN,
+    POISON,
+    VALID,
+    AgentProcess,
+    Blackhole,
+    Conn,
+    HostileMix,
+    IdleConnections,
+    Scrape,
+    Sent,
+    agent_process,
+    bpf_holders,
+    bpf_object_ids,
+    get_bytes,
+    keepalive_load,
+    loaded_bpf_ids,
+    new_sent,
+    short_connections,
+    tracejoin_command,
+)
+from jaeger import Jaeger, JaegerPorts, find_binary, missing_binary_message
+from jaeger import trace_ids_equal as _same_trace
+
+from agent.model import KIND_SERVER, Span
+from agent.probes import ProbeConfig
+
+pytestmark = pytest.mark.privileged
+
+FULL = os.environ.get("TRACEJOIN_FULL_RELIABILITY") == "1"
+
+RINGBUF_BYTES = 1 << 20
+RECORD_BYTES = 424  # sizeof(struct http_record)
+RINGBUF_RECORDS = RINGBUF_BYTES // (RECORD_BYTES + 8)  # each record has an 8-byte header
+LRU_ENTRIES = 16384  # conns, reqs, threads (docs/probes.md)
+MAX_BATCH = 512  # BatchExportQueue's default batch: at most one in flight besides the queue
+# spans of one request (server + receive-queue child + 4 run-queue children): spans_built counts
+# a request's spans before they are submitted, so a scrape may see them built but not queued
+SPANS_PER_REQUEST_MAX = 6
+
+
+def scaled(default: float, full: float) -> float:
+    return full if FULL else default
+
+
+def report(text: str) -> None:
+    print(f"[reliability] {text}", flush=True)
+
+
+@pytest.fixture(scope="module")
+def privileged() -> None:
+    from conftest import privileged_missing
+
+    reason = privileged_missing()
+    if reason:
+        pytest.skip(f"privileged test needs: {reason}")
+
+
+@dataclass
+class RelAgent:
+    agent: Agent
+    go_port: int  # a Go net/http server, in the filter
+    threaded_port: int  # a thread-per-connection Python server, in the filter
+    outsider_port: int  # a Python server outside --port (its pid is in --pid)
+    outsider: Conn  # a keep-alive connection to it, opened before the agent started
+
+
+@pytest.fixture(scope="module")
+def rel(privileged: None) -> Iterator[RelAgent]:
+    """An in-process pipeline (real BPF) of this module's own, memory destination only, on
+    servers of its own, filtered by port and by their pids: traffic of other processes on this
+    host (other tests, benchmarks) can never reach it, so counters can be compared exactly.
+
+    The servers start first (the pid filter needs their pids). Before the agent starts, a
+    keep-alive connection is opened to a server outside the port filter: see
+    test_port_filter_covers_connections_from_before."""
+    go_port, threaded_port, outsider_port = free_ports(3)
+    with (
+        server("go", go_port) as go,
+        server("threaded", threaded_port) as threaded,
+        server("threaded", outsider_port) as outsider_server,
+    ):
+        outsider = Conn(outsider_port)
+        assert outsider.request(get_bytes(new_sent("/outsider/before"))) == 200
+        cfg = ProbeConfig(
+            ports=(go_port, threaded_port),
+            pids=(go.pid, threaded.pid, outsider_server.pid),
+        )
+        a = Agent([go_port, threaded_port], None, probe_config=cfg)
+        a.start()
+        try:
+            yield RelAgent(a, go_port, threaded_port, outsider_port, outsider)
+        finally:
+            outsider.close()
+            a.shutdown()
+
+
+def _server_spans(agent: Agent, prefix: str) -> list[Span]:
+    return [
+        s
+        for s in agent.spans()
+        if s.kind == KIND_SERVER and str(s.attributes.get("url.path", "")).startswith(prefix)
+    ]
+
+
+def _check_attribution(spans: list[Span], sent: list[Sent]) -> tuple[set[int], list[str]]:
+    """(trace ids seen, problems): every span carrying a sent trace id must carry exactly that
+    request's parent id and path, and never a POISON id."""
+    by_trace = {s.trace_id: s for s in sent}
+    seen: set[int] = set()
+    problems: list[str] = []
+    for sp in spans:
+        s = by_trace.get(sp.trace_id)
+        if s is None:
+            continue
+        seen.add(sp.trace_id)
+        path = sp.attributes.get("url.path")
+        if s.kind == POISON:
+            problems.append(f"span {sp.name} {path} carries the id of {s.what or s.path} (poison)")
+        elif sp.parent_span_id != s.parent_id:
+            problems.append(f"{path}: parent {sp.parent_span_id:x}, sent {s.parent_id:x}")
+        elif s.kind == VALID and path != s.path:
+            problems.append(f"span path {path} carries the ids sent with {s.path}")
+    return seen, problems
+
+
+# ------------------------------------------------------------------------------ 1. losses
+
+
+def _wait_stable(
+    read: Callable[[], object], timeout_s: float = 15.0, quiet_s: float = 0.5
+) -> float:
+    """Poll until the value stops changing for quiet_s; return it."""
+    deadline = time.monotonic() + timeout_s
+    last = read()
+    since = time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = read()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+    return last
+
+
+def test_ring_buffer_losses_add_up_exactly(rel):
+    """Stall the reader so the 1 MiB ring buffer fills, then resume: every record the kernel
+    submitted was either received or counted as ringbuf_full, exactly; every record received
+    became a span or a counted user-side drop; every span was exported or counted as dropped."""
+    agent, m = rel.agent, rel.agent.metrics
+    pipe = agent.pipeline
+    port = rel.go_port
+    n = int(RINGBUF_RECORDS * 1.6)
+    k0 = pipe.kernel_counters()
+    recv0 = m.get("records_received")
+    drop0 = m.total("records_dropped_userspace")
+    pipe.pause_reading(True)
+    time.sleep(0.3)  # a poll in progress (100 ms at most) ends before the traffic starts
+    try:
+        sent = keepalive_load(port, n, conns=4, prefix="/loss")
+        k1 = pipe.kernel_counters()
+    finally:
+        pipe.pause_reading(False)
+    submitted = k1["records_submitted"] - k0["records_submitted"]
+    full = k1["ringbuf_full"] - k0["ringbuf_full"]
+    received = _wait_stable(lambda: m.get("records_received")) - recv0
+    k2 = pipe.kernel_counters()
+    report(
+        f"ring buffer: {n} requests, kernel submitted {submitted}, received {received:.0f}, "
+        f"ringbuf_full {full} (capacity ~{RINGBUF_RECORDS} records)"
+    )
+    assert submitted == n, "one record per request, each counted as submitted"
+    assert full > 0, "the stalled reader should have let the ring buffer fill"
+    assert k2["ringbuf_full"] == k1["ringbuf_full"], "no loss after resuming"
+    assert submitted == received + full, "submitted == received + ringbuf_full, exactly"
+    assert received <= RINGBUF_RECORDS + 1
+    # cumulatively too, over everything this agent has seen
+    assert k2["records_submitted"] == m.get("records_received") + k2["ringbuf_full"]
+
+    # user side: each received record became one server span or a counted drop
+    dropped_user = m.total("records_dropped_userspace") - drop0
+    agent.wait_for(lambda _s: len(_server_spans(agent, "/loss/")) >= received - dropped_user, 10)
+    servers = _server_spans(agent, "/loss/")
+    assert len(servers) + dropped_user == received
+    seen, problems = _check_attribution(servers, sent)
+    assert not problems, problems[:5]
+    assert len(seen) == len(servers), "one span per request, none duplicated"
+    # every span built was exported to the memory destination or counted as dropped
+    built = _wait_stable(
+        lambda: (
+            m.get("spans_built"),
+            m.get("spans_exported", exporter="memory"),
+            m.total("spans_dropped"),
+        )
+    )
+    assert built[0] == built[1] + built[2], built
+    # and the self-metrics say so, under the documented names
+    text = m.prometheus_text()
+    assert any(
+        line.startswith("tracejoin_kernel_ringbuf_full") and line.endswith(f" {k2['ringbuf_full']}")
+        for line in text.splitlines()
+    ), text
+
+
+def _read_lines(proc: subprocess.Popen[str], out: queue.Queue[str]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        out.put(line)
+
+
+def _counter(counters: dict[str, float], name: str, **labels: str) -> float:
+    """A series from counters.json: `name` (summed) or `name{k=v,...}` with these labels."""
+    if not labels:
+        return float(counters.get(name, 0))
+    want = {f"{k}={v}" for k, v in labels.items()}
+    total = 0.0
+    for key, value in counters.items():
+        if key.startswith(name + "{") and want <= set(key[len(name) + 1 : -1].split(",")):
+            total += value
+    return total
+
+
+def test_capture_summary_reports_ring_buffer_losses(privileged, tmp_path):
+    """The same through `tracejoin capture`, stalled with SIGSTOP: counters.json adds up exactly
+    and the printed summary shows the kernel-side loss."""
+    (port,) = free_ports(1)
+    outdir = tmp_path / "capture"
+    n = int(RINGBUF_RECORDS * 1.6)
+    lines: queue.Queue[str] = queue.Queue()
+    with server("go", port) as srv:
+        proc = subprocess.Popen(
+            [
+                *tracejoin_command(),
+                "capture",
+                *("--port", str(port), "--pid", str(srv.pid)),
+                *("--output-dir", str(outdir)),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+        )
+        try:
+            threading.Thread(target=_read_lines, args=(proc, lines), daemon=True).start()
+            deadline = time.monotonic() + 60
+            seen: list[str] = []
+            while not any(line.startswith("capturing") for line in seen):
+                assert time.monotonic() < deadline, "".join(seen)
+                assert proc.poll() is None, "".join(seen)
+                with contextlib.suppress(queue.Empty):
+                    seen.append(lines.get(timeout=0.5))
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                keepalive_load(port, n, conns=4, prefix="/cap")
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            time.sleep(2.0)  # let the reader drain what the ring buffer kept
+            proc.send_signal(signal.SIGINT)
+            rc = proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    output = "".join(seen) + "".join(lines.queue)
+    assert rc == 0, output
+    assert "Traceback" not in output, output
+    counters = json.loads((outdir / "counters.json").read_text())
+    submitted = counters["kernel_records_submitted"]
+    received = counters["records_received"]
+    full = counters["kernel_ringbuf_full"]
+    report(f"capture: submitted {submitted}, received {received}, ringbuf_full {full}")
+    assert submitted == n
+    assert full > 0
+    assert submitted == received + full
+    # spans: every one built was written to the file or counted as dropped for it
+    written = 0
+    for line in (outdir / "spans.otlp.jsonl").read_text().splitlines():
+        req = json.loads(line)
+        written += sum(
+            len(ss.get("spans", []))
+            for rs in req.get("resourceSpans", [])
+            for ss in rs.get("scopeSpans", [])
+        )
+    built = _counter(counters, "spans_built")
+    file_dropped = _counter(counters, "spans_dropped", exporter="file")
+    assert built == written + file_dropped, (built, written, file_dropped)
+    # the summary, printed and saved, shows the kernel-side loss with its count
+    summary = (outdir / "summary.txt").read_text()
+    loss_lines = [ln for ln in summary.splitlines() if "ring buffer" in ln]
+    assert loss_lines and str(int(full)) in loss_lines[0], summary
+    assert loss_lines[0].strip() in output
+
+
+# ------------------------------------------------------------------------------ 2. outage
+
+
+class RestartableJaeger(Jaeger):
+    """A Jaeger that comes back on the ports it had, as a restarted collector would."""
+
+    def restart_same_ports(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        ports = self.ports
+        assert ports is not None
+        with monkeypatch.context() as mp:
+            mp.setattr(JaegerPorts, "pick", classmethod(lambda cls: ports))
+            self.start()
+
+
+def _queued(m: Scrape) -> float:
+    return (
+        m.get("spans_built")
+        - m.total("spans_exported", exporter="otlp")
+        - m.total("spans_dropped", exporter="otlp")
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600 if FULL else 240)
+def test_jaeger_outage_bounded_memory_and_exact_drops(privileged, tmp_path, monkeypatch):
+    """Jaeger down for 15 s (full: 2 min) under load: the agent stays up, its RSS stays under a
+    bound derived from --queue-size, spans built == exported + dropped + queued at every
+    scrape (queued never above the queue size plus one batch), and after Jaeger is back new
+    spans arrive and the books balance exactly."""
+    binary = find_binary()
+    if binary is None:
+        pytest.fail(missing_binary_message(), pytrace=False)
+    outage_s = scaled(15, 120)
+    rate = 1500  # requests/s during the outage, two spans each: far more than the queue holds
+    queue_size = 1000
+    per_span_bound = 4096  # bytes; measured ~1.2 KiB per queued span (RSS)
+    slack = 24 << 20
+    port, mport = free_ports(2)
+    jaeger = RestartableJaeger(binary)
+    jaeger.start()
+    try:
+        with (
+            server("go", port) as srv,
+            agent_process(
+                [
+                    *("--port", str(port), "--pid", str(srv.pid)),
+                    "--otlp-endpoint",
+                    f"http://{jaeger.otlp_grpc_endpoint}",
+                    "--otlp-protocol",
+                    "grpc",
+                    "--queue-size",
+                    str(queue_size),
+                ],
+                tmp_path,
+                mport,
+            ) as a,
+        ):
+            a.wait_ready()
+            warm = keepalive_load(port, 300, conns=2, prefix="/warm")
+            a.wait_metric(lambda m: m.get("spans_built") > 0 and _queued(m) == 0, 30, "warm")
+            jaeger.get_trace(f"{warm[-1].trace_id:032x}", timeout_s=20)
+            rss0 = a.rss_bytes()
+            bound = rss0 + (queue_size + MAX_BATCH) * per_span_bound + slack
+
+            jaeger.stop()
+            t0 = time.monotonic()
+            load = threading.Thread(
+                target=keepalive_load,
+                args=(port, int(rate * outage_s)),
+                kwargs={"conns": 2, "rate": rate, "prefix": "/outage"},
+            )
+            load.start()
+            rss_max, queued_max, samples = rss0, 0.0, 0
+            while load.is_alive() or time.monotonic() - t0 < outage_s:
+                assert a.alive(), a.log_tail()
+                rss_max = max(rss_max, a.rss_bytes())
+                m = a.scrape()
+                q = _queued(m)
+                queued_max = max(queued_max, q)
+                samples += 1
+                assert 0 <= q <= queue_size + MAX_BATCH + SPANS_PER_REQUEST_MAX, (q, m.series)
+                assert rss_max <= bound, (rss_max, bound)
+                time.sleep(1.0)
+            load.join()
+            during = a.scrape()
+            dropped = during.by_label("spans_dropped", "reason")
+            report(
+                f"outage {outage_s:.0f}s: RSS {rss0 >> 20} MiB before, max {rss_max >> 20} MiB "
+                f"(bound {bound >> 20} MiB); queued max {queued_max:.0f} "
+                f"(queue {queue_size} + batch {MAX_BATCH}); built {during.get('spans_built'):.0f},"
+                f" dropped {dropped}"
+            )
+            assert sum(dropped.values()) > 0, "the outage outlasted the queue: drops expected"
+
+            jaeger.restart_same_ports(monkeypatch)
+            t1 = time.monotonic()
+            # the backlog goes first (a full queue drops the newest spans, counted): once it has
+            # drained, new requests reach Jaeger
+            a.wait_metric(lambda m: _queued(m) == 0, 120, "backlog drained")
+            drained_s = time.monotonic() - t1
+            after = keepalive_load(port, 20, prefix="/after")
+            for s in after:
+                trace = jaeger.get_trace(f"{s.trace_id:032x}", timeout_s=30)
+                assert any(
+                    _same_trace(sp["traceID"], f"{s.trace_id:032x}") for sp in trace["spans"]
+                )
+            report(
+                f"after the restart: backlog drained in {drained_s:.1f}s, new spans in Jaeger "
+                f"{time.monotonic() - t1:.1f}s after the restart"
+            )
+            final = a.wait_metric(lambda m: _queued(m) == 0, 60, "queue drained")
+            built = final.get("spans_built")
+            exported = final.total("spans_exported", exporter="otlp")
+            lost = final.total("spans_dropped", exporter="otlp")
+            report(f"books: built {built:.0f} == exported {exported:.0f} + dropped {lost:.0f}")
+            assert built == exported + lost
+            assert final.get("kernel_ringbuf_full") == 0
+            assert final.get("records_received") == final.get("kernel_records_submitted")
+            assert a.alive()
+            a.signal(signal.SIGTERM)
+            assert a.wait(15) == 0, a.log_tail()
+    finally:
+        jaeger.stop()
+
+
+# ------------------------------------------------------------------------------ 3. black hole
+
+
+@pytest.mark.parametrize(
+    "protocol", ["http/protobuf", pytest.param("grpc", marks=pytest.mark.slow)]
+)
+def test_blackholed_otlp_does_not_slow_reading_and_sigterm_ends_it(privileged, tmp_path, protocol):
+    """The OTLP endpoint accepts and never answers: records are read from the kernel as fast as
+    requests come (no ring buffer loss), and SIGTERM still ends `tracejoin run` within 10 s."""
+    if protocol == "grpc" and not FULL:
+        pytest.skip("gRPC black hole: full form only (TRACEJOIN_FULL_RELIABILITY=1)")
+    port, mport = free_ports(2)
+    args = ["--port", str(port), "--otlp-protocol", protocol]
+    with (
+        Blackhole() as bh,
+        server("go", port) as srv,
+        agent_process(
+            [*args, "--pid", str(srv.pid), "--otlp-endpoint", f"http://127.0.0.1:{bh.port}"],
+            tmp_path,
+            mport,
+        ) as a,
+    ):
+        a.wait_ready()
+        total = 0
+        lags = []
+        for _ in range(int(scaled(4, 30))):
+            keepalive_load(port, 200, conns=2, prefix="/bh")
+            total += 200
+            t0 = time.monotonic()
+            a.wait_metric(lambda m, t=total: m.get("records_received") >= t, 5, f"{total}")
+            lags.append(time.monotonic() - t0)
+            time.sleep(0.5)
+        m = a.scrape()
+        report(
+            f"black hole ({protocol}): {total} requests, received "
+            f"{m.get('records_received'):.0f}, worst lag {max(lags) * 1000:.0f} ms, "
+            f"exporter connections {len(bh.accepted)}"
+        )
+        assert m.get("records_received") == total
+        assert m.get("kernel_records_submitted") == total
+        assert m.get("kernel_ringbuf_full") == 0
+        assert m.total("spans_exported", exporter="otlp") == 0
+        assert bh.accepted, "the exporter never even connected"
+        t0 = time.monotonic()
+        a.signal(signal.SIGTERM)
+        rc = a.wait(10)
+        took = time.monotonic() - t0
+    report(f"black hole ({protocol}): SIGTERM to exit {took:.2f}s")
+    assert rc == 0, a.log_tail()
+    assert took < 10
+
+
+# ------------------------------------------------------------------------------ 4. kill loop
+
+
+def _children(pid: int) -> set[int]:
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out |= {int(c) for c in (task / "children").read_text().split()}
+        except OSError:
+            continue
+    return out
+
+
+def _wait_released(
+    progs: set[int], maps: set[int], children: set[int], label: str, settle_s: float = 1.0
+) -> tuple[float, str | None, set[int]]:
+    """Wait (15 s at most) until none of these programs and maps is loaded; (seconds, note,
+    ids of the maps left and excused).
+
+    The first look comes `settle_s` after the exit: `bpftool map show` opens every map by id,
+    and doing that while a prog_array is being released races in the kernel (see
+    docs/reliability.md, Known gaps). What is still loaded after 15 s fails the test, except an
+    object another process holds (its own reference, e.g. an inspector's) and a `progs`
+    prog_array no process holds once every program is gone (that kernel race, triggered by
+    someone else's inspection): those are noted and printed.
+    """
+    time.sleep(settle_s)
+    t0 = time.monotonic()
+    while True:
+        loaded_progs, loaded_maps = loaded_bpf_ids()
+        left_p = progs & loaded_progs.keys()
+        left_m = maps & loaded_maps.keys()
+        if not left_p and not left_m:
+            return settle_s + time.monotonic() - t0, None, set()
+        if time.monotonic() - t0 > 15:
+            break
+        time.sleep(0.2)
+    holders = bpf_holders(left_p, left_m)
+    names = {f"prog {p}": loaded_progs[p] for p in left_p}
+    names |= {f"map {m}": loaded_maps[m] for m in left_m}
+    ours = [h for hs in holders.values() for h in hs if int(h.split()[0]) in children]
+    assert not ours, f"{label}: the agent's child processes hold {names}: {ours}"
+    orphans = [k for k in names if k not in holders]
+    kernel_race = [k for k in orphans if k.startswith("map ") and names[k] == "progs"]
+    assert not (set(orphans) - set(kernel_race)) and not (kernel_race and left_p), (
+        f"{label}: still loaded 15 s after exit, held by no process: "
+        f"{ {k: names[k] for k in orphans} }"
+    )
+    note = f"{label}: {names} held by {holders or 'none (prog_array release race)'}"
+    return 15.0, note, left_m
+
+
+def _traffic(port: int, stop: threading.Event, errors: list[str]) -> None:
+    while not stop.is_set():
+        try:
+            c = Conn(port)
+            for _ in range(50):
+                if stop.is_set():
+                    break
+                assert c.request(get_bytes(new_sent("/kl"))) == 200
+                time.sleep(0.01)
+            c.close()
+        except (OSError, AssertionError) as e:
+            errors.append(repr(e))
+            time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800 if FULL else 240)
+def test_kill_loop_leaves_nothing_loaded(privileged, tmp_path):
+    """SIGKILL and SIGTERM `tracejoin run` under traffic, alternately (2+2; full: 50+50): each
+    start gets ready and sees traffic; after each exit no BPF program or map it held is still
+    loaded (BPF objects are reference-counted by fds: SIGKILL closes them all)."""
+    cycles = int(scaled(4, 100))
+    port = free_ports(1)[0]
+    before_progs, before_maps = loaded_bpf_ids()
+    owned_progs: set[int] = set()
+    owned_maps: set[int] = set()
+    ready_s: list[float] = []
+    gone_s: list[float] = []
+    notes: list[str] = []
+    excused: set[int] = set()
+    stop, errors = threading.Event(), []
+    with server("go", port) as srv:
+        traffic = threading.Thread(target=_traffic, args=(port, stop, errors), daemon=True)
+        traffic.start()
+        try:
+            for i in range(cycles):
+                sig = signal.SIGKILL if i % 2 == 0 else signal.SIGTERM
+                mport = free_ports(1)[0]
+                a = AgentProcess(
+                    [
+                        "--port",
+                        str(port),
+                        "--pid",
+                        str(srv.pid),
+                        "--spans-file",
+                        str(tmp_path / "s"),
+                    ],
+                    tmp_path,
+                    mport,
+                ).start()
+                try:
+                    ready_s.append(a.wait_ready())
+                    a.wait_metric(lambda m: m.get("records_received") > 0, 10, "traffic seen")
+                    progs, maps = bpf_object_ids(a.pid)
+                    assert progs and maps, "the running agent holds its programs and maps"
+                    owned_progs |= progs
+                    owned_maps |= maps
+                    children = _children(a.pid)
+                    a.signal(sig)
+                    rc = a.wait(10)
+                finally:
+                    a.kill()
+                assert rc == (0 if sig == signal.SIGTERM else -signal.SIGKILL), a.log_tail()
+                took, note, left = _wait_released(
+                    progs, maps - excused, children, f"cycle {i} ({sig.name})"
+                )
+                gone_s.append(took)
+                excused |= left
+                if note:
+                    notes.append(note)
+        finally:
+            stop.set()
+            traffic.join(timeout=5)
+    # compared with the set before the loop: every id the agents held was new, and none of
+    # them is loaded now
+    assert not owned_progs & before_progs.keys() and not owned_maps & before_maps.keys()
+    _, note, _ = _wait_released(
+        owned_progs, owned_maps - excused, set(), "after the loop", settle_s=0
+    )
+    if note:
+        notes.append(note)
+    assert not errors, errors[:3]
+    assert not errors, errors[:3]
+    report(
+        f"kill loop: {cycles} cycles, ready in {min(ready_s):.1f}-{max(ready_s):.1f}s, "
+        f"{len(owned_progs)} programs and {len(owned_maps)} maps loaded and released, "
+        f"all released within {max(gone_s, default=0):.1f}s of exit"
+        + (f"; notes: {notes}" if notes else "")
+    )
+
+
+# ------------------------------------------------------------------------------ 5. churn
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200 if FULL else 240)
+def test_churn_stays_within_lru_bounds_and_never_misattributes(rel):
+    """10k short connections with 300 keep-alive connections sitting idle (full: 100k, plus
+    30k to a thread-per-connection server so that more than 16384 threads read requests, and
+    9000 idle: with both ends of each on this host that is over 16384 connection entries, so
+    the LRU evicts; see also test_returning_evicted_connections_do_not_stall_the_reader).
+    The per-connection maps never exceed their LRU size; every span carries exactly the ids
+    sent on its own request (the idle connections' next requests included, evicted or not);
+    a request without a span is a counted loss."""
+    import resource
+
+    agent = rel.agent
+    pipe = agent.pipeline
+    port, threaded_port = rel.go_port, rel.threaded_port
+    n = int(scaled(10_000, 100_000))
+    n_threaded = int(scaled(0, 30_000))
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    n_idle = max(0, min(int(scaled(300, 9_000)), soft - 1_000))
+    sizes: dict[str, int] = {}
+    stop = threading.Event()
+
+    def sample() -> None:
+        # reading 3 x 16k keys through BCC takes the GIL for a while: not too often, or the
+        # in-process reader falls behind and the ring buffer overflows (counted, but a loss)
+        while not stop.wait(2.0):
+            for k, v in pipe.probes.map_sizes().items():
+                sizes[k] = max(sizes.get(k, 0), v)
+
+    k0 = pipe.kernel_counters()
+    churned: list[Sent] = []
+    t0 = time.monotonic()
+    idle = IdleConnections(port, n_idle, prefix="/idle")
+    idle_s = time.monotonic() - t0
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t0 = time.monotonic()
+    try:
+        churned += short_connections(port, n, workers=2, prefix="/churn")
+        if n_threaded:
+            churned += short_connections(
+                threaded_port, n_threaded, workers=2, prefix="/churn-threaded"
+            )
+        took = time.monotonic() - t0
+        second = idle.another_round(1)
+    finally:
+        stop.set()
+        sampler.join()
+        idle.close()
+    for k, v in pipe.probes.map_sizes().items():
+        sizes[k] = max(sizes.get(k, 0), v)
+    sent = churned + idle.sent
+    # the reader has drained the ring buffer: every record submitted was received or lost
+    deadline = time.monotonic() + 180
+    while True:
+        k1 = pipe.kernel_counters()
+        if k1["records_submitted"] == agent.metrics.get("records_received") + k1["ringbuf_full"]:
+            break
+        assert time.monotonic() < deadline, (k1, agent.metrics.get("records_received"))
+        time.sleep(0.2)
+    lost = k1["ringbuf_full"] - k0["ringbuf_full"]
+    agent.wait_for(
+        lambda _s: (
+            len(_server_spans(agent, "/churn")) + len(_server_spans(agent, "/idle/"))
+            >= len(sent) - lost
+        ),
+        30,
+    )
+    losses = {
+        k: k1[k] - k0[k] for k in ("ringbuf_full", "request_state_lost", "pipeline_slots_full")
+    }
+    spans = _server_spans(agent, "/churn") + _server_spans(agent, "/idle/")
+    seen, problems = _check_attribution(spans, sent)
+    missing = [s for s in sent if s.trace_id not in seen]
+    report(
+        f"churn: {n + n_threaded} connections in {took:.1f}s "
+        f"({(n + n_threaded) / took:.0f}/s), {n_idle} idle opened in {idle_s:.1f}s; max map "
+        f"entries {sizes}; kernel losses {losses}; missing spans {len(missing)}; idle "
+        f"connections' second requests with their span: "
+        f"{sum(s.trace_id in seen for s in second)}/{len(second)}"
+    )
+    assert not problems, problems[:5]
+    assert len(spans) == len(seen), "a request produced two spans"
+    for name in ("conns", "reqs", "threads"):
+        assert sizes.get(name, 0) <= LRU_ENTRIES, sizes
+    if n_idle >= 8_500 and FULL:
+        # (an LRU hash map evicts a little before it is completely full)
+        assert sizes["conns"] > LRU_ENTRIES * 0.98, "the idle connections should fill `conns`"
+    # a request without a span must be a counted loss
+    assert len(missing) <= sum(losses.values()), [s.path for s in missing[:5]]
+
+
+@dataclass
+class Eviction:
+    n: int
+    before: Scrape
+    after: Scrape
+    round_s: float
+
+    def delta(self, name: str) -> float:
+        return self.after.get(name) - self.before.get(name)
+
+
+def _drained(m: Scrape) -> bool:
+    return m.get("records_received") + m.get("kernel_ringbuf_full") == m.get(
+        "kernel_records_submitted"
+    )
+
+
+@pytest.fixture(scope="module")
+def eviction(privileged: None, tmp_path_factory: pytest.TempPathFactory) -> Eviction:
+    """`tracejoin run` while 9000 keep-alive connections (18000 sockets on this host, both ends)
+    overflow the 16384-entry `conns` LRU; then every one of them sends one more request, on a
+    connection whose kernel state was evicted. Measured once, asserted by the tests below."""
+    import resource
+
+    n = 9_000
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < n + 1_000:
+        pytest.skip(f"needs RLIMIT_NOFILE >= {n + 1_000} for {n} idle connections")
+    port, mport = free_ports(2)
+    tmp = tmp_path_factory.mktemp("eviction")
+    # --port only, as a DaemonSet is configured (with --pid the clients' sockets would never be
+    # looked at, and neither would other processes' connections)
+    with (
+        server("go", port),
+        agent_process(["--port", str(port), "--spans-file", str(tmp / "s.jsonl")], tmp, mport) as a,
+    ):
+        a.wait_ready()
+        idle = IdleConnections(port, n, prefix="/evict")
+        try:
+            before = a.wait_metric(_drained, 60, "drained before the second round")
+            t0 = time.monotonic()
+            idle.another_round(1)
+            round_s = time.monotonic() - t0
+            want = before.get("kernel_records_submitted") + n
+            try:
+                after = a.wait_metric(
+                    lambda m: _drained(m) and m.get("kernel_records_submitted") >= want,
+                    8,
+                    "the reader caught up",
+                )
+            except AssertionError:
+                after = a.scrape()
+        finally:
+            idle.close()
+    ev = Eviction(n, before, after, round_s)
+    report(
+        f"eviction: {n} idle connections sent again in {round_s:.1f}s: kernel submitted "
+        f"+{ev.delta('kernel_records_submitted'):.0f}, received "
+        f"+{ev.delta('records_received'):.0f}, ringbuf_full +{ev.delta('kernel_ringbuf_full'):.0f},"
+        f" non_http_connections +{ev.delta('kernel_non_http_connections'):.0f}"
+    )
+    return ev
+
+
+def test_returning_evicted_connections_do_not_stall_the_reader(eviction):
+    """9000 requests in a couple of seconds, on connections the LRU evicted: the reader keeps
+    up (no ring buffer loss) and has read every record within 8 s."""
+    assert eviction.delta("kernel_ringbuf_full") == 0
+    assert _drained(eviction.after)
+    assert eviction.delta("records_received") >= eviction.n
+
+
+def test_evicted_client_sockets_are_not_counted_as_non_http(eviction):
+    """The clients' own sockets read HTTP responses: that is not a non-HTTP connection served
+    here, and nothing in this traffic is non-HTTP."""
+    assert eviction.delta("kernel_non_http_connections") == 0
+
+
+# ------------------------------------------------------------------------------ 6. hostile
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600 if FULL else 180)
+def test_hostile_traffic(privileged, tmp_path):
+    """Random bytes, truncated requests, 1 MiB header lines, NUL bytes, slowloris, the HTTP/2
+    preface, TLS ClientHellos, fake requests in bodies, invalid traceparents and pipelined
+    floods, interleaved with valid requests, for 10 s (full: 60 s): the agent survives with
+    bounded CPU, valid requests' spans carry exactly their ids, no span ever carries an id
+    from garbage, and the loss/rejection counters rise."""
+    duration = scaled(10, 60)
+    port, mport = free_ports(2)
+    spans_file = tmp_path / "spans.jsonl"
+    with (
+        server("go", port) as srv,
+        agent_process(
+            ["--port", str(port), "--pid", str(srv.pid), "--spans-file", str(spans_file)],
+            tmp_path,
+            mport,
+        ) as a,
+    ):
+        a.wait_ready()
+        m0 = a.scrape()
+        cpu0, t0 = a.cpu_seconds(), time.monotonic()
+        result = HostileMix(port, duration).run()
+        wall = time.monotonic() - t0
+        cpu = a.cpu_seconds() - cpu0
+        assert a.alive(), a.log_tail()
+        m = a.wait_metric(
+            lambda s: s.get("records_received") == s.get("kernel_records_submitted"), 15, "drain"
+        )
+        a.signal(signal.SIGTERM)
+        rc = a.wait(15)
+    assert rc == 0, a.log_tail()
+    assert "Traceback" not in a.log_tail(200), a.log_tail(200)
+
+    spans = _spans_from_file(spans_file)
+    servers = [s for s in spans if s["kind"] == KIND_SERVER]
+    sent = result.sent
+    by_trace = {s.trace_id: s for s in sent}
+    seen: dict[int, int] = {}
+    problems = []
+    for sp in servers:
+        s = by_trace.get(sp["trace_id"])
+        if s is None:
+            continue
+        seen[s.trace_id] = seen.get(s.trace_id, 0) + 1
+        if s.kind == POISON:
+            problems.append(f"{sp['path']!r} carries a poison id ({s.what or s.path})")
+        elif sp["parent"] != s.parent_id:
+            problems.append(f"{sp['path']!r}: parent {sp['parent']:x}, sent {s.parent_id:x}")
+        elif s.kind == VALID and sp["path"] != s.path:
+            problems.append(f"span {sp['path']!r} carries the ids sent with {s.path}")
+    valid = [s for s in sent if s.kind == VALID]
+    missing = [s.path for s in valid if s.trace_id not in seen]
+    doubled = [t for t, k in seen.items() if k > 1]
+    own = [s for s in sent if s.kind == OWN]
+    rejected = {
+        r: v - m0.get("traceparent_rejected", reason=r)
+        for r, v in m.by_label("traceparent_rejected", "reason").items()
+    }
+    report(
+        f"hostile {duration:.0f}s: {sum(result.counts.values())} connections/requests "
+        f"{dict(sorted(result.counts.items()))}; agent CPU {cpu:.2f}s over {wall:.1f}s "
+        f"({100 * cpu / wall:.0f}% of a core); {len(servers)} server spans; own-id spans "
+        f"{sum(1 for s in own if s.trace_id in seen)}/{len(own)}; "
+        f"non_http_connections {m.get('kernel_non_http_connections'):.0f}; rejected {rejected}; "
+        f"pipeline_slots_full {m.get('kernel_pipeline_slots_full'):.0f}"
+    )
+    assert not [e for e in result.errors if "valid" in e], result.errors[:5]
+    assert not problems, problems[:10]
+    assert not missing, f"{len(missing)} valid requests without a span: {missing[:5]}"
+    assert not doubled
+    assert m.get("kernel_non_http_connections") > 0
+    assert rejected.get("beyond_scan_window", 0) > 0
+    assert sum(v for r, v in rejected.items() if r != "beyond_scan_window") > 0
+    assert m.get("kernel_ringbuf_full") == 0
+    assert m.total("decode_errors") == 0
+    assert m.get("reader_errors") == 0
+    assert m.total("records_dropped_userspace") == 0
+    # generous: the agent's whole process (reader, span building, file export) under attack
+    assert cpu < 0.5 * wall, f"agent used {cpu:.2f}s of CPU in {wall:.1f}s"
+
+
+def _spans_from_file(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines():
+        req = json.loads(line)
+        for rs in req.get("resourceSpans", []):
+            for ss in rs.get("scopeSpans", []):
+                for sp in ss.get("spans", []):
+                    attrs = {a["key"]: a.get("value", {}) for a in sp.get("attributes", [])}
+                    path = attrs.get("url.path", {}).get("stringValue", "")
+                    out.append(
+                        {
+                            "trace_id": int(sp["traceId"], 16),
+                            "parent": int(sp.get("parentSpanId") or "0", 16),
+                            "kind": sp.get("kind"),
+                            "path": path,
+                            "attributes": attrs,
+                        }
+                    )
+    return out
+
+
+# ------------------------------------------------------------------------------ 8. no PMU
+
+
+def test_no_pmu_flush_fallback_and_the_rest_works(rel):
+    """Without a hardware PMU (this VM) the TLB signal falls back to tlb:tlb_flush counts,
+    named as flushes, and says so (probe_mode, the resource's tracejoin.tlb.mode); every other
+    signal and the spans themselves are unaffected."""
+    from agent.probes import pmu_tlb_available
+
+    agent = rel.agent
+    status = agent.pipeline.probes.status
+    if pmu_tlb_available():
+        assert status.tlb_mode == "hardware"
+        pytest.skip("this host has a PMU: hardware TLB counters are in use, not the fallback")
+    assert status.tlb_mode == "flush_fallback"
+    assert all(state == "on" for state in status.signals.values()), status.signals
+    sent = keepalive_load(rel.go_port, 5, prefix="/nopmu")
+    agent.wait_for(lambda _s: len(_server_spans(agent, "/nopmu/")) >= 5, 10)
+    spans = _server_spans(agent, "/nopmu/")
+    seen, problems = _check_attribution(spans, sent)
+    assert not problems and len(seen) == 5, problems
+    for sp in spans:
+        assert "tracejoin.tlb.flushes" in sp.attributes
+        assert "tracejoin.tlb.dtlb_load_misses" not in sp.attributes
+        assert dict(sp.resource.attributes)["tracejoin.tlb.mode"] == "flush_fallback"
+        assert "tracejoin.sched.runq_wait_ns" in sp.attributes
+    text = agent.metrics.prometheus_text()
+    assert 'tracejoin_probe_mode{signal="tlb_flush_fallback"} 1' in text, text
+
+
+# ------------------------------------------------------------------------------ bugs found here
+
+
+def test_port_filter_covers_connections_from_before(rel):
+    """A keep-alive connection opened before the agent started, to a port outside --port: its
+    later requests must not become records or spans."""
+    agent = rel.agent
+    s = new_sent("/outsider/after")
+    submitted0 = agent.pipeline.kernel_counters()["records_submitted"]
+    assert rel.outsider.request(get_bytes(s)) == 200
+    time.sleep(1.0)
+    leaked = [sp for sp in agent.spans() if sp.trace_id == s.trace_id]
+    submitted = agent.pipeline.kernel_counters()["records_submitted"] - submitted0
+    assert not leaked, (
+        f"a request on port {rel.outsider_port} (not in the filter "
+        f"{agent.pipeline.probes.config.ports}) became a span"
+    )
+    assert submitted == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: when 8 requests are open on a connection, the rest of that read is skipped "
+    "and pipeline_slots_full counts 1, not one per request lost (docs/reliability.md)",
+)
+def test_pipelined_requests_beyond_the_limit_are_each_counted(rel):
+    """20 pipelined requests in one write: every one becomes a span or is counted in
+    pipeline_slots_full."""
+    agent = rel.agent
+    reqs = [new_sent(f"/pipe/{i}") for i in range(20)]
+    k0 = agent.pipeline.kernel_counters()["pipeline_slots_full"]
+    c = Conn(rel.go_port)
+    c.sock.sendall(b"".join(get_bytes(s) for s in reqs))
+    statuses = [c.response() for _ in reqs]
+    c.close()
+    assert statuses == [200] * 20
+    time.sleep(1.0)
+    counted = agent.pipeline.kernel_counters()["pipeline_slots_full"] - k0
+    spans = _server_spans(agent, "/pipe/")
+    seen, problems = _check_attribution(spans, reqs)
+    assert not problems, problems
+    report(f"pipelined 20: {len(seen)} spans, pipeline_slots_full +{counted}")
+    assert len(seen) + counted == 20
