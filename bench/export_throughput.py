@@ -3,7 +3,7 @@
 Both paths start from the same raw per-request values (ids, times, 20 attributes like an HTTP
 server span with kernel enrichment, 2 events) and end with serialized OTLP protobuf bytes:
 
-  tracejoin   model.Span -> exporters.otlp_proto.encode_request_bytes (what the senders send);
+  tracejoin   model.Span -> otlp_proto.encode_request_bytes (what the senders send);
               also shown: + parse into a message and SerializeToString, and the cost with the
               model.Span construction included (the fair end-to-end comparison with the SDK)
   sdk         Tracer.start_span(explicit remote parent, attributes) + 2 add_event + end ->
@@ -36,9 +36,16 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
-
-from agent.model import KIND_SERVER, STATUS_ERROR, STATUS_UNSET, AttrValue, Event, Resource, Span
-from exporters.otlp_proto import encode_request, encode_request_bytes
+from tracejoin.core.model import (
+    KIND_SERVER,
+    STATUS_ERROR,
+    STATUS_UNSET,
+    AttrValue,
+    Event,
+    Resource,
+    Span,
+)
+from tracejoin.exporters.otlp_proto import encode_request, encode_request_bytes
 
 BATCH = 512  # the queue's default max_batch, and the SDK processor's default batch size
 RESOURCE_ATTRS: tuple[tuple[str, AttrValue], ...] = (

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from agent import gpu_join as gj
-from agent.gpu_sampler import GpuSampler, probe_nvml
-from agent.metrics import Metrics
+from tracejoin.core import gpu as gj
+from tracejoin.core.metrics import Metrics
+from tracejoin.enrich.gpu_sampler import GpuSampler, probe_nvml
 
 KERNEL_ACTIVE_MIN_A = 0.80  # compute phase: kernels run nearly all the time
 MEM_BUSY_MIN_B = 0.50  # copy phase: device memory is read/written most of the time

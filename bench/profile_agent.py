@@ -92,11 +92,11 @@ def run_once(
     batch_ms: float = 0,
     sink_port: int | None = None,
 ) -> dict[str, Any]:
-    from agent.cli import _builder_factory, _file_destination, _otlp_destination
-    from agent.config import Settings
-    from agent.metrics import Metrics
-    from agent.pipeline import Pipeline
-    from agent.probes import ProbeConfig
+    from tracejoin.app import builder_factory, file_destination, otlp_destination
+    from tracejoin.config import Settings
+    from tracejoin.core.metrics import Metrics
+    from tracejoin.kernel.probes import ProbeConfig
+    from tracejoin.pipeline.stages import Pipeline
 
     endpoint = f"http://127.0.0.1:{sink_port}" if sink_port else None
     settings = Settings(
@@ -105,12 +105,12 @@ def run_once(
     metrics = Metrics()
     tmp = Path(tempfile.mkdtemp(prefix="tjprof-", dir="/dev/shm"))
     dest: Any = (
-        _otlp_destination(settings, metrics)
+        otlp_destination(settings, metrics)
         if endpoint
-        else _file_destination(tmp / "spans.otlp.jsonl", settings, metrics)
+        else file_destination(tmp / "spans.otlp.jsonl", settings, metrics)
     )
     pipeline = Pipeline(
-        ProbeConfig(ports=(port,)), _builder_factory(settings, metrics), [dest], metrics
+        ProbeConfig(ports=(port,)), builder_factory(settings, metrics), [dest], metrics
     )
     loop = batched_reader(pipeline, batch_ms / 1e3) if batch_ms else pipeline._read_loop
     reader = Watched("reader", loop, profile)

@@ -772,8 +772,9 @@ def export_section(cfg: Config) -> dict[str, Any]:
 
 def gpu_section(quick: bool) -> dict[str, Any]:
     try:
-        from agent.gpu_sampler import GpuSampler, probe_nvml
-        from agent.metrics import Metrics
+        from tracejoin.core.metrics import Metrics
+        from tracejoin.enrich.gpu_sampler import GpuSampler, probe_nvml
+
         from bench.gpu_check import measure_nvml_call_costs, measure_sample_cost
     except ImportError as exc:
         return {"skipped": f"cannot import the GPU sampler: {exc}"}

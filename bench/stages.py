@@ -19,12 +19,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agent import traceparent
-from agent.decode import REC_HTTP, REQF_FIRST_ON_CONN, REQF_TUPLE, HttpRecord, RecordDecoder
-from agent.metrics import Metrics
-from agent.spans import SpanBuilder
-from exporters.otlp_json import encode_request_json
-from exporters.otlp_proto import encode_request_bytes
+from tracejoin.core.metrics import Metrics
+from tracejoin.enrich import traceparent
+from tracejoin.exporters.otlp_json import encode_request_json
+from tracejoin.exporters.otlp_proto import encode_request_bytes
+from tracejoin.kernel.decode import (
+    REC_HTTP,
+    REQF_FIRST_ON_CONN,
+    REQF_TUPLE,
+    HttpRecord,
+    RecordDecoder,
+)
+from tracejoin.pipeline.spans import SpanBuilder
 
 TP = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 BATCH = 512  # records per encoded request (the queue's default batch)

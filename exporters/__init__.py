@@ -10,6 +10,6 @@ Modules, by what they hold:
   queue       BatchExportQueue (batching, retries, loss counting) and FanoutQueue
 """
 
-from exporters.base import ExportResult, ExportStatus, InMemoryExporter, SpanExporter
+from tracejoin.exporters.base import ExportResult, ExportStatus, InMemoryExporter, SpanExporter
 
 __all__ = ["ExportResult", "ExportStatus", "InMemoryExporter", "SpanExporter"]

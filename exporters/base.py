@@ -1,7 +1,7 @@
 """The exporter interface every sender implements, its result type, and its test double.
 
 A sender turns one batch of spans into one request to one destination. It does not retry or
-queue: `exporters.queue.BatchExportQueue` owns batching, retries and loss counting, so each
+queue: `queue.BatchExportQueue` owns batching, retries and loss counting, so each
 sender only has to say whether a failure is worth retrying.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
-from agent.model import Span
+from tracejoin.core.model import Span
 
 
 class ExportStatus(enum.Enum):

@@ -27,10 +27,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
-from exporters.base import SpanExporter
-from exporters.file_sender import ConsoleExporter, JsonLinesFileExporter
-from exporters.grpc_sender import OtlpGrpcExporter, grpc_target
-from exporters.http_sender import OtlpHttpExporter, traces_url
+from tracejoin.exporters.base import SpanExporter
+from tracejoin.exporters.file_sender import ConsoleExporter, JsonLinesFileExporter
+from tracejoin.exporters.grpc_sender import OtlpGrpcExporter, grpc_target
+from tracejoin.exporters.http_sender import OtlpHttpExporter, traces_url
 
 GRPC = "grpc"
 HTTP_PROTOBUF = "http/protobuf"

@@ -9,14 +9,14 @@ import threading
 from collections.abc import Sequence
 from typing import TextIO
 
-from agent.model import STATUS_ERROR, STATUS_OK, Span
-from exporters.base import ExportResult
-from exporters.otlp_json import encode_request_json
+from tracejoin.core.model import STATUS_ERROR, STATUS_OK, Span
+from tracejoin.exporters.base import ExportResult
+from tracejoin.exporters.otlp_json import encode_request_json
 
 
 class JsonLinesFileExporter:
     """Appends one OTLP/JSON ExportTraceServiceRequest per line and flushes after each batch, so
-    a reader (or `exporters.otlp_json.decode_request_json`) sees whole requests only."""
+    a reader (or `tracejoin.exporters.otlp_json.decode_request_json`) sees whole requests only."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)

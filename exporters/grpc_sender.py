@@ -1,6 +1,6 @@
 """OTLP/gRPC sender: one unary TraceService/Export call per batch.
 
-The request goes out as the bytes exporters.otlp_proto already wrote (a unary_unary call on the
+The request goes out as the bytes otlp_proto already wrote (a unary_unary call on the
 TraceService/Export method with no request serializer), so no protobuf message is built.
 Retryable status codes follow the OTLP spec (opentelemetry.io/docs/specs/otlp/#failures).
 """
@@ -12,13 +12,12 @@ from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit
 
 import grpc
+import tracejoin
 from google.rpc import error_details_pb2, status_pb2
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
-
-import agent
-from agent.model import Span
-from exporters.base import ExportResult, ExportStatus
-from exporters.otlp_proto import encode_request_bytes
+from tracejoin.core.model import Span
+from tracejoin.exporters.base import ExportResult, ExportStatus
+from tracejoin.exporters.otlp_proto import encode_request_bytes
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +42,7 @@ _CHANNEL_OPTIONS = [
     # retry for minutes after it is back. (min_reconnect_backoff is left alone: gRPC also uses it
     # as the connect timeout, 20 s by default.)
     ("grpc.max_reconnect_backoff_ms", 5000),
-    ("grpc.primary_user_agent", f"tracejoin/{agent.__version__}"),
+    ("grpc.primary_user_agent", f"tracejoin/{tracejoin.__version__}"),
 ]
 
 

@@ -17,12 +17,11 @@ import time
 from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit
 
+import tracejoin
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
-
-import agent
-from agent.model import Span
-from exporters.base import ExportResult, ExportStatus
-from exporters.otlp_proto import encode_request_bytes
+from tracejoin.core.model import Span
+from tracejoin.exporters.base import ExportResult, ExportStatus
+from tracejoin.exporters.otlp_proto import encode_request_bytes
 
 DEFAULT_ENDPOINT = "http://localhost:4318"
 TRACES_PATH = "v1/traces"
@@ -80,7 +79,7 @@ class OtlpHttpExporter:
         self._ssl = ssl.create_default_context(cafile=certificate_file) if self._tls else None
         self._headers = {
             "Content-Type": "application/x-protobuf",
-            "User-Agent": f"tracejoin/{agent.__version__}",
+            "User-Agent": f"tracejoin/{tracejoin.__version__}",
             **(headers or {}),
         }
         if self._gzip:

@@ -4,7 +4,7 @@ OTLP/JSON is the proto3 JSON mapping with OTLP's own exceptions: trace and span 
 lowercase hex (not base64), enums are integers, field names are lowerCamelCase. int64/fixed64
 values (times, intValue) are decimal strings as in the proto3 mapping; fields holding their
 default value are left out. The grouping (one ResourceSpans per Resource, one tracejoin scope)
-matches exporters.otlp_proto, so both encoders describe the same request.
+matches tracejoin.exporters.otlp_proto, so both encoders describe the same request.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from typing import Any
 
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-from agent.model import AttrValue, Resource, Span
-from exporters.otlp_proto import SCOPE_NAME, SCOPE_VERSION
+from tracejoin.core.model import AttrValue, Resource, Span
+from tracejoin.exporters.otlp_proto import SCOPE_NAME, SCOPE_VERSION
 
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1

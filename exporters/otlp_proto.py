@@ -14,13 +14,12 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Mapping
 
+import tracejoin
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-import agent
-from agent.model import AttrValue, Resource, Span
+from tracejoin.core.model import AttrValue, Resource, Span
 
 SCOPE_NAME = "tracejoin"
-SCOPE_VERSION = agent.__version__
+SCOPE_VERSION = tracejoin.__version__
 
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1

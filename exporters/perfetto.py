@@ -40,9 +40,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from agent.gpu_join import DeviceHistory
-from agent.model import KIND_SERVER, STATUS_ERROR, STATUS_OK, Span
-from exporters.base import ExportResult
+from tracejoin.core.gpu import DeviceHistory
+from tracejoin.core.model import KIND_SERVER, STATUS_ERROR, STATUS_OK, Span
+from tracejoin.exporters.base import ExportResult
 
 # Linux pid_max is at most 2^22: synthetic ids above it never collide with real pids/tids.
 LANE_STRIDE = 1 << 22

@@ -23,9 +23,9 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from agent.metrics import Metrics
-from agent.model import Span
-from exporters.base import ExportResult, SpanExporter
+from tracejoin.core.metrics import Metrics
+from tracejoin.core.model import Span
+from tracejoin.exporters.base import ExportResult, SpanExporter
 
 log = logging.getLogger(__name__)
 

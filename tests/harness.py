@@ -18,14 +18,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from agent.metrics import Metrics
-from agent.model import KIND_SERVER, Span
-from agent.pipeline import Pipeline
-from agent.probes import ProbeConfig
-from agent.spans import SpanBuilder
-from exporters.base import InMemoryExporter
-from exporters.grpc_sender import OtlpGrpcExporter
-from exporters.queue import BatchExportQueue
+from tracejoin.core.metrics import Metrics
+from tracejoin.core.model import KIND_SERVER, Span
+from tracejoin.exporters.base import InMemoryExporter
+from tracejoin.exporters.grpc_sender import OtlpGrpcExporter
+from tracejoin.exporters.queue import BatchExportQueue
+from tracejoin.kernel.probes import ProbeConfig
+from tracejoin.pipeline.spans import SpanBuilder
+from tracejoin.pipeline.stages import Pipeline
 
 HERE = Path(__file__).parent
 PYSERVER = HERE / "servers" / "pyserver.py"

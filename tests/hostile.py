@@ -526,7 +526,11 @@ def tracejoin_command() -> list[str]:
     script = Path(sys.executable).parent / "tracejoin"
     if script.exists():
         return [str(script)]
-    return [sys.executable, "-c", "import sys; from agent.cli import main; sys.exit(main())"]
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from tracejoin.commands.cli import main; sys.exit(main())",
+    ]
 
 
 def _die_with_parent() -> None:

@@ -1,7 +1,7 @@
 """Issue 6, `tracejoin capture` and `tracejoin report`.
 
 Privileged tests run real captures of controlled workloads (real BPF, real servers, real
-clients): in-process through agent.capture.run_capture where the GPU sampler must be the NVML
+clients): in-process through commands.capture.run_capture where the GPU sampler must be the NVML
 test double, and as `tracejoin capture` subprocesses for what a user sees (a pipe, a terminal,
 SIGINT) and for --otlp-endpoint into the session's real Jaeger. Each capture runs once per
 module (a fixture); the tests then read what it printed and wrote. The rest is pure logic.
@@ -36,13 +36,12 @@ from harness import free_ports, new_traceparent, server
 from jaeger import parent_span_id, span_tags
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1 import trace_pb2
-
-from agent.cli import main
-from agent.gpu_join import DeviceHistory, DeviceState
-from agent.model import KIND_INTERNAL, KIND_SERVER, STATUS_ERROR, Resource, Span
-from agent.summary import WIDTH, Summary, percentile
-from exporters.file_sender import JsonLinesFileExporter
-from exporters.perfetto import (
+from tracejoin.commands.cli import main
+from tracejoin.commands.summary import WIDTH, Summary, percentile
+from tracejoin.core.gpu import DeviceHistory, DeviceState
+from tracejoin.core.model import KIND_INTERNAL, KIND_SERVER, STATUS_ERROR, Resource, Span
+from tracejoin.exporters.file_sender import JsonLinesFileExporter
+from tracejoin.exporters.perfetto import (
     GPU_PID_BASE,
     LANE_STRIDE,
     PerfettoTraceWriter,
@@ -277,11 +276,11 @@ def inproc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessCaptur
     reason = privileged_missing()
     if reason:
         pytest.skip(f"privileged test needs: {reason}")
-    from agent.capture import run_capture
-    from agent.cli import _probe_config
-    from agent.config import Settings
-    from agent.gpu_sampler import GpuSampler
-    from agent.nvml_fake import GPU, MEMORY, FakeDevice, FakeNvml
+    from nvml_fake import GPU, MEMORY, FakeDevice, FakeNvml
+    from tracejoin.app import probe_config as _probe_config
+    from tracejoin.commands.capture import run_capture
+    from tracejoin.config import Settings
+    from tracejoin.enrich.gpu_sampler import GpuSampler
 
     (port,) = free_ports(1)
     outdir = tmp_path_factory.mktemp("capture")
@@ -791,7 +790,7 @@ def test_report_accepts_a_directory_or_a_file(tmp_path: Path) -> None:
     assert slowest_ids(from_dir)[0] == f"{6:032x}"
     assert report(tmp_path / "spans.otlp.jsonl") == from_dir
     # another tool's single, indented OTLP/JSON document
-    from exporters.otlp_json import encode_request_dict
+    from tracejoin.exporters.otlp_json import encode_request_dict
 
     other = tmp_path / "other" / "export.json"
     other.parent.mkdir()

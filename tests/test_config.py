@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tracejoin.commands.run
 from click.testing import CliRunner, Result
+from tracejoin.config import BY_KEY, OPTIONS, ConfigError, Settings
+from tracejoin.core.metrics import Metrics
 
-import agent.daemon
-from agent import cli
-from agent.config import BY_KEY, OPTIONS, ConfigError, Settings
-from agent.metrics import Metrics
+from tracejoin import app
+from tracejoin.commands import cli
 
 # Every variable that could leak in from the environment running the tests.
 _ENV_NAMES = sorted(
@@ -44,7 +45,7 @@ def stub_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
     def fake_run_daemon(s: Settings, _probe_config: Any, _spans_file: Any) -> int:
         raise Captured(s)
 
-    monkeypatch.setattr(agent.daemon, "run_daemon", fake_run_daemon)
+    monkeypatch.setattr(tracejoin.commands.run, "run_daemon", fake_run_daemon)
     monkeypatch.setattr(cli, "_require_root", lambda: None)
     for name in _ENV_NAMES:
         monkeypatch.delenv(name, raising=False)
@@ -227,7 +228,7 @@ def test_traces_specific_otel_variables_beat_the_file(tmp_path: Path) -> None:
     env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://from-env:9999/custom"}
 
     def effective_url(s: Settings) -> str:
-        dest = cli._otlp_destination(s, Metrics())
+        dest = app.otlp_destination(s, Metrics())
         assert dest is not None
         try:
             return str(dest.exporter.url)
@@ -261,14 +262,16 @@ def test_standard_otel_variables() -> None:
 
 def test_resource_attributes_and_kubelet_url_are_checked_at_start() -> None:
     m = Metrics()
-    hook = agent.daemon.build_resource_hook(
+    hook = tracejoin.commands.run.build_resource_hook(
         Settings(node_name="n1"), m, {"OTEL_RESOURCE_ATTRIBUTES": "k8s.cluster.name=prod"}
     )
     attrs = hook(2**22 + 12345)  # no such pid: the defaults and the node name only
     assert attrs == {"k8s.cluster.name": "prod", "k8s.node.name": "n1"}
     with pytest.raises(ConfigError, match="OTEL_RESOURCE_ATTRIBUTES: expected key=value"):
-        agent.daemon.build_resource_hook(Settings(), m, {"OTEL_RESOURCE_ATTRIBUTES": "oops"})
+        tracejoin.commands.run.build_resource_hook(
+            Settings(), m, {"OTEL_RESOURCE_ATTRIBUTES": "oops"}
+        )
     with pytest.raises(ConfigError, match=r"kubelet_url \(--kubelet-url\).*NODE_NAME"):
-        agent.daemon.build_resource_hook(
+        tracejoin.commands.run.build_resource_hook(
             Settings(kubelet_url="https://${NODE_NAME}:10250/pods"), m, {}
         )

@@ -32,9 +32,8 @@ from typing import Any
 import pytest
 from harness import free_ports, new_traceparent, server
 from jaeger import Jaeger, parent_span_id, span_service, span_tags, trace_ids_equal
-
-from agent.daemon import HealthServer, declare_metrics, final_counters
-from agent.metrics import Metrics
+from tracejoin.commands.run import HealthServer, declare_metrics, final_counters
+from tracejoin.core.metrics import Metrics
 
 TRACEJOIN = Path(sys.executable).parent / "tracejoin"
 PRIVILEGED = (pytest.mark.privileged, pytest.mark.e2e)

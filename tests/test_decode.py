@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from agent.decode import REC_HTTP, HttpRecord, RecordDecoder
-from agent.metrics import Metrics
-from agent.probes import bpf_source_dir
+from tracejoin.core.metrics import Metrics
+from tracejoin.kernel.decode import REC_HTTP, HttpRecord, RecordDecoder
+from tracejoin.kernel.probes import bpf_source_dir
 
 FIELDS = [name for name, _ in HttpRecord._fields_]
 

@@ -6,7 +6,7 @@ decoding into k8s.io/api structs: unknown fields, unknown kinds and broken refer
 errors), and then held to the documented security posture on the parsed objects: not
 privileged, capabilities exactly the documented set, read-only root and host mounts, host PID
 namespace, GPU node selection, probes on the metrics port, resources, and a config.yaml that
-agent.config itself accepts for `tracejoin run`.
+tracejoin.config itself accepts for `tracejoin run`.
 
 helm and the validator are Go programs built from tools/helm and tools/k8sschema and cached in
 /var/cache/tracejoin (TRACEJOIN_CACHE): the first run builds helm from source (a few minutes);
@@ -28,8 +28,7 @@ from typing import Any
 
 import pytest
 import yaml
-
-from agent.config import ConfigError, load_file
+from tracejoin.config import ConfigError, load_file
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "deploy" / "helm" / "tracejoin"
@@ -461,7 +460,7 @@ def test_environment(rendered: Rendered) -> None:
 
 
 def test_config_accepted_by_agent(rendered: Rendered, tmp_path: Path) -> None:
-    """The ConfigMap's config.yaml loads with agent.config's own validation for `run`."""
+    """The ConfigMap's config.yaml loads with tracejoin.config's own validation for `run`."""
     path = tmp_path / "config.yaml"
     path.write_text(rendered.config_text())
     try:
@@ -678,7 +677,13 @@ def _proc_reads(caps: list[str], pid: int, fd: int) -> dict[str, str]:
 
 
 def _doctor(caps: list[str]) -> tuple[int, dict[str, Any]]:
-    argv = [sys.executable, "-c", "from agent.cli import main; main()", "doctor", "--json"]
+    argv = [
+        sys.executable,
+        "-c",
+        "from tracejoin.commands.cli import main; main()",
+        "doctor",
+        "--json",
+    ]
     out = subprocess.run(
         _confined(caps, argv), capture_output=True, text=True, timeout=120, cwd=REPO
     )

@@ -16,8 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import privileged_missing
-
-from agent.doctor import (
+from tracejoin.host.doctor import (
     CAP_BPF,
     CAP_PERFMON,
     CAP_SYS_ADMIN,
@@ -44,9 +43,9 @@ from agent.doctor import (
     decode_caps,
     headers_version,
     hw_cache_config,
-    perf_event_open_check,
     run_checks,
 )
+from tracejoin.kernel.perf import perf_event_open_check
 
 REPORT_KEYS = {"ok", "exit_code", "summary", "kernel", "signals", "checks", "duration_s"}
 CHECK_KEYS = {"name", "group", "status", "required", "detail", "fix", "notes", "data"}
@@ -72,7 +71,7 @@ def real_trial() -> ProbeResult:
     reason = privileged_missing()
     if reason:
         pytest.skip(f"privileged test needs: {reason}")
-    from agent.doctor import bpf_trial_load
+    from tracejoin.host.doctor import bpf_trial_load
 
     return bpf_trial_load()
 
@@ -130,7 +129,7 @@ def test_host_hardware_tlb_counters_fall_back(host: Report) -> None:
 @pytest.mark.privileged
 def test_host_software_perf_events(host: Report) -> None:
     assert check(host, "software perf events").status is Status.AVAILABLE
-    assert perf_event_open_check("software", 0) is None  # the helper agent.probes shares
+    assert perf_event_open_check("software", 0) is None  # the helper tracejoin.kernel.probes shares
 
 
 @pytest.mark.privileged
@@ -347,6 +346,6 @@ def test_gpu_probe_status_is_adapted() -> None:
 
 
 def test_default_required_tracepoints_match_probes() -> None:
-    """The doctor's defaults must not drift from what agent.probes attaches to."""
-    probes = pytest.importorskip("agent.probes")
+    """The doctor's defaults must not drift from what tracejoin.kernel.probes attaches to."""
+    probes = pytest.importorskip("tracejoin.kernel.probes")
     assert set(REQUIRED_TRACEPOINTS) == set(probes.REQUIRED_TRACEPOINTS)

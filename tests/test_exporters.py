@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 import pytest
+import tracejoin
 from google.protobuf import json_format, text_format
 from google.rpc import error_details_pb2, status_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
@@ -32,10 +33,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.resource.v1 import resource_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
-
-import agent
-from agent.metrics import Metrics
-from agent.model import (
+from tracejoin.core.metrics import Metrics
+from tracejoin.core.model import (
     KIND_INTERNAL,
     KIND_SERVER,
     STATUS_ERROR,
@@ -45,13 +44,17 @@ from agent.model import (
     Resource,
     Span,
 )
-from exporters.base import ExportResult, ExportStatus, InMemoryExporter, SpanExporter
-from exporters.file_sender import ConsoleExporter, JsonLinesFileExporter
-from exporters.grpc_sender import OtlpGrpcExporter
-from exporters.http_sender import OtlpHttpExporter, parse_retry_after
-from exporters.otlp_json import decode_request_json, encode_request_dict, encode_request_json
-from exporters.otlp_proto import encode_request, encode_request_bytes
-from exporters.queue import BatchExportQueue, FanoutQueue, fanout
+from tracejoin.exporters.base import ExportResult, ExportStatus, InMemoryExporter, SpanExporter
+from tracejoin.exporters.file_sender import ConsoleExporter, JsonLinesFileExporter
+from tracejoin.exporters.grpc_sender import OtlpGrpcExporter
+from tracejoin.exporters.http_sender import OtlpHttpExporter, parse_retry_after
+from tracejoin.exporters.otlp_json import (
+    decode_request_json,
+    encode_request_dict,
+    encode_request_json,
+)
+from tracejoin.exporters.otlp_proto import encode_request, encode_request_bytes
+from tracejoin.exporters.queue import BatchExportQueue, FanoutQueue, fanout
 
 # ----------------------------------------------------------------------------- span factory
 
@@ -152,7 +155,7 @@ def reference_request(spans: list[Span]) -> ExportTraceServiceRequest:
             rs.resource.CopyFrom(resource_pb2.Resource(attributes=_ref_attrs(res.attributes)))
         ss = rs.scope_spans.add()
         ss.scope.name = "tracejoin"
-        ss.scope.version = agent.__version__
+        ss.scope.version = tracejoin.__version__
         ss.spans.extend(pbs)
     return req
 
@@ -182,7 +185,7 @@ def test_proto_encoder_fields() -> None:
         ("host.name", "string_value"),
     ]
     (ss,) = rs.scope_spans
-    assert (ss.scope.name, ss.scope.version) == ("tracejoin", agent.__version__)
+    assert (ss.scope.name, ss.scope.version) == ("tracejoin", tracejoin.__version__)
     a, b = ss.spans
     assert a.trace_id == bytes.fromhex("4bf92f3577b34da6a3ce929d0e0e4736")
     assert a.span_id == bytes.fromhex("00f067aa0ba902b7")
@@ -286,7 +289,7 @@ def test_json_uses_otlp_conventions() -> None:
     obj = json.loads(encode_request_json([root, child]))
     rs = obj["resourceSpans"][0]
     assert rs["resource"]["attributes"][1] == {"key": "process.pid", "value": {"intValue": "4242"}}
-    assert rs["scopeSpans"][0]["scope"] == {"name": "tracejoin", "version": agent.__version__}
+    assert rs["scopeSpans"][0]["scope"] == {"name": "tracejoin", "version": tracejoin.__version__}
     a, b = rs["scopeSpans"][0]["spans"]
     assert a["traceId"] == "4bf92f3577b34da6a3ce929d0e0e4736"  # hex, not base64
     assert a["spanId"] == "00f067aa0ba902b7"
@@ -491,7 +494,7 @@ def test_grpc_exporter_delivers_exact_content(
     assert_same_request(grpc_collector.received(), reference_request(spans))
     md = grpc_collector.metadata[0]
     assert md["authorization"] == "Bearer t0k" and md["x-tenant"] == "a b"
-    assert md["user-agent"].startswith(f"tracejoin/{agent.__version__}")
+    assert md["user-agent"].startswith(f"tracejoin/{tracejoin.__version__}")
     assert exp.export(spans).status is ExportStatus.PERMANENT_FAILURE  # after shutdown
 
 

@@ -6,17 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from exporters.config import (
+from tracejoin.exporters.config import (
     ExporterConfigError,
     ExporterSettings,
     exporter_from_env,
     parse_headers,
     settings_from_env,
 )
-from exporters.file_sender import ConsoleExporter, JsonLinesFileExporter
-from exporters.grpc_sender import OtlpGrpcExporter
-from exporters.http_sender import OtlpHttpExporter
+from tracejoin.exporters.file_sender import ConsoleExporter, JsonLinesFileExporter
+from tracejoin.exporters.grpc_sender import OtlpGrpcExporter
+from tracejoin.exporters.http_sender import OtlpHttpExporter
 
 
 def test_nothing_configured_means_the_jsonl_file() -> None:

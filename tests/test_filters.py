@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 from harness import Agent, free_ports, new_traceparent, raw_request, server
-
-from agent.model import KIND_SERVER
-from agent.probes import ProbeConfig
+from tracejoin.core.model import KIND_SERVER
+from tracejoin.kernel.probes import ProbeConfig
 
 pytestmark = pytest.mark.privileged
 

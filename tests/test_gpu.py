@@ -16,12 +16,11 @@ import pynvml
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from agent import gpu_join as gj
-from agent.gpu_join import DeviceHistory, DeviceState, Series, Stats, window_stats
-from agent.gpu_sampler import GpuSampler, parse_visible_devices, probe_nvml
-from agent.metrics import Metrics
-from agent.nvml_fake import GPU, MEMORY, FakeDevice, FakeNvml
+from nvml_fake import GPU, MEMORY, FakeDevice, FakeNvml
+from tracejoin.core import gpu as gj
+from tracejoin.core.gpu import DeviceHistory, DeviceState, Series, Stats, window_stats
+from tracejoin.core.metrics import Metrics
+from tracejoin.enrich.gpu_sampler import GpuSampler, parse_visible_devices, probe_nvml
 
 S = 1_000_000_000
 MS = 1_000_000
@@ -725,7 +724,7 @@ def test_fake_matches_pynvml_surface() -> None:
     with pytest.raises(pynvml.NVMLError_GpuIsLost):
         fake.nvmlDeviceGetMemoryInfo(dev)
     # Every pynvml function the sampler calls exists in the real module with that name.
-    src = (ROOT / "agent" / "gpu_sampler.py").read_text()
+    src = (ROOT / "agent" / "enrich" / "gpu_sampler.py").read_text()
     for name in set(re.findall(r'"(nvml[A-Z][A-Za-z]+)"', src)):
         assert callable(getattr(pynvml, name)), name
         assert callable(getattr(fake, name)), name

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import pytest
 from harness import free_ports, new_traceparent, raw_request, server
-
-from agent.gpu_sampler import GpuSampler
-from agent.metrics import Metrics
-from agent.model import KIND_SERVER
-from agent.nvml_fake import FakeDevice, FakeNvml
-from agent.pipeline import Pipeline
-from agent.probes import ProbeConfig
-from agent.spans import SpanBuilder
-from exporters.base import InMemoryExporter
-from exporters.queue import BatchExportQueue
+from nvml_fake import FakeDevice, FakeNvml
+from tracejoin.core.metrics import Metrics
+from tracejoin.core.model import KIND_SERVER
+from tracejoin.enrich.gpu_sampler import GpuSampler
+from tracejoin.exporters.base import InMemoryExporter
+from tracejoin.exporters.queue import BatchExportQueue
+from tracejoin.kernel.probes import ProbeConfig
+from tracejoin.pipeline.spans import SpanBuilder
+from tracejoin.pipeline.stages import Pipeline
 
 pytestmark = pytest.mark.privileged
 

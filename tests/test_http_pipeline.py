@@ -9,8 +9,7 @@ import time
 import pytest
 from harness import new_traceparent, raw_request, server
 from jaeger import parent_span_id, span_tags, trace_ids_equal
-
-from agent.model import KIND_SERVER
+from tracejoin.core.model import KIND_SERVER
 
 pytestmark = [pytest.mark.privileged, pytest.mark.e2e]
 
@@ -182,10 +181,14 @@ def test_secrets_never_leave_the_kernel(agent, caplog):
     with server("threaded", port):
         raw_request(port, req)
         (span,) = agent.server_spans(trace_id)
-    from exporters.otlp_json import encode_request_json
-    from exporters.otlp_proto import encode_request_bytes
+    from tracejoin.exporters.otlp_json import encode_request_json
+    from tracejoin.exporters.otlp_proto import encode_request_bytes
 
-    dumps = [encode_request_json(agent.spans()), repr(agent.spans()), caplog.text]
+    dumps = [
+        encode_request_json(agent.spans()),
+        repr(agent.spans()),
+        caplog.text,
+    ]
     blob = encode_request_bytes(agent.spans())
     for canary in ("canary-body", "canary-query", "canary-auth", "canary-cookie"):
         assert all(canary not in d for d in dumps), canary

@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from agent import k8s
-from agent.k8s import (
+from tracejoin.core.metrics import Metrics
+from tracejoin.enrich.k8s import (
     CgroupInfo,
     K8sResolver,
     KubeletClient,
@@ -31,8 +30,9 @@ from agent.k8s import (
     resource_hook,
     workload_attributes,
 )
-from agent.metrics import Metrics
-from agent.spans import SpanBuilder
+from tracejoin.pipeline.spans import SpanBuilder
+
+from tracejoin.enrich import k8s
 
 CID = "3f4e5d6c7b8a99887766554433221100ffeeddccbbaa00112233445566778899"
 CID2 = "aa" * 32

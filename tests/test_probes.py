@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
-from agent import probes
-from agent.metrics import Metrics
-from agent.probes import HttpProbes, ProbeConfig, ProbeError
+from tracejoin.core.metrics import Metrics
+from tracejoin.kernel import probes
+from tracejoin.kernel.probes import HttpProbes, ProbeConfig, ProbeError
 
 
 def _flags(cfg: ProbeConfig) -> list[str]:

@@ -47,9 +47,8 @@ from hostile import (
 )
 from jaeger import Jaeger, JaegerPorts, find_binary, missing_binary_message
 from jaeger import trace_ids_equal as _same_trace
-
-from agent.model import KIND_SERVER, Span
-from agent.probes import ProbeConfig
+from tracejoin.core.model import KIND_SERVER, Span
+from tracejoin.kernel.probes import ProbeConfig
 
 pytestmark = pytest.mark.privileged
 
@@ -923,7 +922,7 @@ def test_no_pmu_flush_fallback_and_the_rest_works(rel):
     """Without a hardware PMU (this VM) the TLB signal falls back to tlb:tlb_flush counts,
     named as flushes, and says so (probe_mode, the resource's tracejoin.tlb.mode); every other
     signal and the spans themselves are unaffected."""
-    from agent.probes import pmu_tlb_available
+    from tracejoin.kernel.probes import pmu_tlb_available
 
     agent = rel.agent
     status = agent.pipeline.probes.status

@@ -27,9 +27,8 @@ from pathlib import Path
 import pytest
 from harness import free_ports, server
 from hostile import Conn, agent_process, get_bytes, new_sent, tracejoin_command
-
-from agent.metrics import Metrics
-from agent.probes import HttpProbes, ProbeConfig, ProbeError
+from tracejoin.core.metrics import Metrics
+from tracejoin.kernel.probes import HttpProbes, ProbeConfig, ProbeError
 
 pytestmark = pytest.mark.privileged
 
@@ -96,7 +95,7 @@ def test_no_nvml_the_rest_works(require_root, tmp_path):
     """Without NVML (no GPU driver: this host) `tracejoin run` with the GPU signal on by default
     starts, says once why GPU enrichment is off, reports gpu_nvml_available 0, and serves
     spans with the right ids."""
-    from agent.gpu_sampler import probe_nvml
+    from tracejoin.enrich.gpu_sampler import probe_nvml
 
     if getattr(probe_nvml(), "available", False):
         pytest.skip("NVML works on this host: the no-NVML fallback is not what runs here")

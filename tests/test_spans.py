@@ -5,11 +5,10 @@ from __future__ import annotations
 import ctypes
 
 import pytest
-
-from agent.decode import REQF_NO_RESPONSE, REQF_TUPLE, HttpRecord
-from agent.metrics import Metrics
-from agent.model import KIND_INTERNAL, KIND_SERVER, STATUS_ERROR
-from agent.spans import SpanBuilder, route_of
+from tracejoin.core.metrics import Metrics
+from tracejoin.core.model import KIND_INTERNAL, KIND_SERVER, STATUS_ERROR
+from tracejoin.kernel.decode import REQF_NO_RESPONSE, REQF_TUPLE, HttpRecord
+from tracejoin.pipeline.spans import SpanBuilder, route_of
 
 TID = 0x4BF92F3577B34DA6A3CE929D0E0E4736
 PID = 0x00F067AA0BA902B7

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from agent import traceparent as tp
+from tracejoin.enrich import traceparent as tp
 
 TID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PID = "00f067aa0ba902b7"

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 from harness import raw_request, server
-
-from agent import traceparent
+from tracejoin.enrich import traceparent
 
 pytestmark = pytest.mark.privileged
 

@@ -17,8 +17,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from agent.decode import CNT_MAX, KERNEL_COUNTERS
-from agent.metrics import Metrics
+from tracejoin.core.metrics import Metrics
+from tracejoin.kernel.decode import CNT_MAX, KERNEL_COUNTERS
+from tracejoin.kernel.perf import perf_event_open_check
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def tracepoint_exists(tp: str, disabled: frozenset[str] = frozenset()) -> bool:
 
 def bpf_source_dir() -> Path:
     """bpf/ as installed with the package: found without relying on the current directory."""
-    return Path(str(resources.files("bpf")))
+    return Path(str(resources.files("tracejoin.bpf")))
 
 
 @dataclass
@@ -313,8 +314,4 @@ class HttpProbes:
 
 def pmu_tlb_available() -> bool:
     """Whether a hardware dTLB-load-miss counter opens (false in most VMs)."""
-    try:
-        from agent.doctor import perf_event_open_check  # shared with the doctor
-    except ImportError:
-        return False
     return perf_event_open_check("hw_cache", DTLB_READ_MISS) is None

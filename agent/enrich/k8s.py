@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.metrics import Metrics
-from agent.model import AttrValue
+from tracejoin.core.metrics import Metrics
+from tracejoin.core.model import AttrValue
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,7 @@ perf_event_open / BPF trial / NVML callables), so the decision logic is testable
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import importlib
 import os
 import platform
 import re
@@ -31,7 +29,19 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from agent import probes
+from tracejoin.kernel import probes
+from tracejoin.kernel.perf import (
+    PERF_COUNT_HW_CACHE_DTLB,
+    PERF_COUNT_HW_CACHE_ITLB,
+    PERF_COUNT_HW_CACHE_OP_READ,
+    PERF_COUNT_HW_CACHE_RESULT_MISS,
+    PERF_COUNT_SW_CPU_CLOCK,
+    PERF_TYPE_HW_CACHE,
+    PERF_TYPE_SOFTWARE,
+    errno_text,
+    hw_cache_config,
+    perf_event_open,
+)
 
 # One source of truth: the tracepoints the probes attach to, and the signal each feeds.
 REQUIRED_TRACEPOINTS: tuple[str, ...] = probes.REQUIRED_TRACEPOINTS
@@ -524,79 +534,6 @@ def _signal_of(tp: str) -> str:
 
 # --- perf events ---------------------------------------------------------------------------
 
-PERF_TYPE_SOFTWARE = 1
-PERF_TYPE_HW_CACHE = 3
-PERF_COUNT_SW_CPU_CLOCK = 0
-PERF_COUNT_HW_CACHE_DTLB = 3
-PERF_COUNT_HW_CACHE_ITLB = 4
-PERF_COUNT_HW_CACHE_OP_READ = 0
-PERF_COUNT_HW_CACHE_RESULT_MISS = 1
-PERF_FLAG_FD_CLOEXEC = 1 << 3
-_PERF_ATTR_DISABLED = 1 << 0  # bit 0 of the flags word: create the event stopped
-
-# perf_event_open(2) has no libc wrapper: syscall numbers per architecture.
-_SYS_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241, "riscv64": 241, "ppc64le": 319}
-
-
-def hw_cache_config(cache: int, op: int, result: int) -> int:
-    """PERF_TYPE_HW_CACHE config: cache id | op << 8 | result << 16 (perf_event_open(2))."""
-    return cache | op << 8 | result << 16
-
-
-class PerfEventAttr(ctypes.Structure):
-    """struct perf_event_attr up to PERF_ATTR_SIZE_VER0 (64 bytes); the kernel zero-fills
-    the rest for a smaller `size`."""
-
-    _fields_ = [
-        ("type", ctypes.c_uint32),
-        ("size", ctypes.c_uint32),
-        ("config", ctypes.c_uint64),
-        ("sample_period", ctypes.c_uint64),
-        ("sample_type", ctypes.c_uint64),
-        ("read_format", ctypes.c_uint64),
-        ("flags", ctypes.c_uint64),
-        ("wakeup_events", ctypes.c_uint32),
-        ("bp_type", ctypes.c_uint32),
-        ("config1", ctypes.c_uint64),
-    ]
-
-
-def perf_event_open(type_: int, config: int) -> tuple[int, int]:
-    """Open (stopped) and close one counter on cpu 0 for all pids; (0, 0) or (-1, errno)."""
-    nr = _SYS_PERF_EVENT_OPEN.get(platform.machine())
-    if nr is None:
-        return -1, errno.ENOSYS
-    attr = PerfEventAttr(type=type_, size=ctypes.sizeof(PerfEventAttr), config=config)
-    attr.flags = _PERF_ATTR_DISABLED
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = libc.syscall(
-        ctypes.c_long(nr),
-        ctypes.byref(attr),
-        ctypes.c_long(-1),  # pid: all processes
-        ctypes.c_long(0),  # cpu 0
-        ctypes.c_long(-1),  # no group
-        ctypes.c_ulong(PERF_FLAG_FD_CLOEXEC),
-    )
-    if fd < 0:
-        return -1, ctypes.get_errno()
-    os.close(fd)
-    return 0, 0
-
-
-PERF_KINDS = {"software": PERF_TYPE_SOFTWARE, "hw_cache": PERF_TYPE_HW_CACHE}
-
-
-def perf_event_open_check(kind: str, config: int) -> str | None:
-    """None when a `kind` ("software" | "hw_cache") counter with `config` opens on cpu 0, else
-    why not ("ENOENT (No such file or directory)"). Shared with agent.probes' PMU choice."""
-    fd, err = perf_event_open(PERF_KINDS[kind], config)
-    return None if fd >= 0 else _errno_text(err)
-
-
-def _errno_text(err: int) -> str:
-    return f"{errno.errorcode.get(err, str(err))} ({os.strerror(err)})"
-
-
 HW_TLB_EVENTS = {
     "dTLB-load-misses": hw_cache_config(
         PERF_COUNT_HW_CACHE_DTLB, PERF_COUNT_HW_CACHE_OP_READ, PERF_COUNT_HW_CACHE_RESULT_MISS
@@ -618,7 +555,7 @@ def check_perf_events(root: Path, perf_open: PerfOpen) -> list[Check]:
             "software perf events",
             "Perf events",
             Status.UNAVAILABLE,
-            f"cpu-clock on cpu 0: {_errno_text(err)}",
+            f"cpu-clock on cpu 0: {errno_text(err)}",
             fix="CAP_PERFMON, or kernel.perf_event_paranoid <= 0",
         )
     return [sw] + [_hw_check(root, name, cfg, perf_open) for name, cfg in HW_TLB_EVENTS.items()]
@@ -646,7 +583,7 @@ def _hw_check(root: Path, name: str, config: int, perf_open: PerfOpen) -> Check:
         f"hw {name}",
         "Perf events",
         Status.UNAVAILABLE,
-        f"{why}: {_errno_text(err)}",
+        f"{why}: {errno_text(err)}",
         fix=fix,
         data=data,
     )
@@ -820,21 +757,11 @@ class _Fd2Capture:
 NVML_FIX = "an NVIDIA GPU with its driver (libnvidia-ml.so.1); without a GPU this stays off"
 
 
-# Where the GPU engineer's probe_nvml() may live (the module was renamed while both were
-# written); the first that imports and has it wins, else the minimal pynvml check below.
-GPU_MODULES = ("agent.gpu", "agent.gpu_sampler")
-
-
 def nvml_status() -> ProbeResult:
-    """probe_nvml() from the GPU module when it exists; else a minimal pynvml check."""
-    for module in GPU_MODULES:
-        try:
-            probe = getattr(importlib.import_module(module), "probe_nvml", None)
-        except ImportError:
-            continue
-        if callable(probe):
-            return _from_gpu_probe(probe())
-    return _pynvml_probe()
+    """What the GPU sampler's own probe says about NVML on this host."""
+    from tracejoin.enrich.gpu_sampler import probe_nvml
+
+    return _from_gpu_probe(probe_nvml())
 
 
 def _field(obj: Any, *names: str) -> Any:
@@ -847,7 +774,7 @@ def _field(obj: Any, *names: str) -> Any:
 
 
 def _from_gpu_probe(result: Any) -> ProbeResult:
-    """Adapt probe_nvml()'s status (agent.gpu_sampler.NvmlStatus: available, reason, fix,
+    """Adapt probe_nvml()'s status (tracejoin.enrich.gpu_sampler.NvmlStatus: available, reason, fix,
     driver_version, gpus[].name, notes), reading fields by name so a dict also works."""
     if isinstance(result, ProbeResult):
         return result
@@ -865,31 +792,6 @@ def _from_gpu_probe(result: Any) -> ProbeResult:
         return ProbeResult(True, (f"driver {driver}, " if driver else "") + found, data=data)
     reason = _field(result, "reason", "error", "detail") or "NVML unavailable"
     return ProbeResult(False, str(reason), str(_field(result, "fix") or NVML_FIX), data)
-
-
-def _pynvml_probe() -> ProbeResult:
-    try:
-        import pynvml
-    except ImportError as e:
-        return ProbeResult(False, f"cannot import pynvml: {e}", "pip install nvidia-ml-py")
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as e:
-        return ProbeResult(False, f"nvmlInit failed: {e}", NVML_FIX)
-    try:
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        names = [
-            str(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)))
-            for i in range(pynvml.nvmlDeviceGetCount())
-        ]
-    except pynvml.NVMLError as e:
-        return ProbeResult(False, f"NVML query failed: {e}", NVML_FIX)
-    finally:
-        pynvml.nvmlShutdown()
-    if not names:
-        return ProbeResult(False, f"NVML (driver {driver}) sees no GPU", NVML_FIX)
-    detail = f"driver {driver}, {len(names)} GPU(s): {', '.join(names)}"
-    return ProbeResult(True, detail, data={"driver": str(driver), "gpus": names})
 
 
 # --- signals -------------------------------------------------------------------------------

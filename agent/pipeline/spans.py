@@ -12,24 +12,8 @@ import re
 import socket
 from collections.abc import Callable
 
-from agent import traceparent
-from agent.correlate import (
-    ConnectionTable,
-    KernelClock,
-    ProcessTable,
-    sampling_decision,
-    trace_context,
-)
-from agent.decode import (
-    REQF_FIRST_ON_CONN,
-    REQF_NO_RESPONSE,
-    REQF_PATH_TRUNC,
-    REQF_RESP_UNTERM,
-    REQF_TLB_HW,
-    HttpRecord,
-)
-from agent.metrics import Metrics
-from agent.model import (
+from tracejoin.core.metrics import Metrics
+from tracejoin.core.model import (
     KIND_INTERNAL,
     KIND_SERVER,
     STATUS_ERROR,
@@ -37,6 +21,22 @@ from agent.model import (
     AttrValue,
     Resource,
     Span,
+)
+from tracejoin.enrich import traceparent
+from tracejoin.enrich.correlate import (
+    ConnectionTable,
+    KernelClock,
+    ProcessTable,
+    sampling_decision,
+    trace_context,
+)
+from tracejoin.kernel.decode import (
+    REQF_FIRST_ON_CONN,
+    REQF_NO_RESPONSE,
+    REQF_PATH_TRUNC,
+    REQF_RESP_UNTERM,
+    REQF_TLB_HW,
+    HttpRecord,
 )
 
 # Path segments that look like identifiers become "{id}" in the span name, so a route like

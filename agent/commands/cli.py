@@ -14,11 +14,11 @@ from typing import Any
 
 import click
 from click.core import ParameterSource
-
-from agent import __version__
-from agent.config import ConfigError, Settings, SourcedOption, apply_options, load_file
-from agent.metrics import Metrics
-from agent.probes import OPTIONAL_TRACEPOINTS, ProbeConfig, ProbeError
+from tracejoin import __version__
+from tracejoin.app import probe_config
+from tracejoin.config import ConfigError, Settings, SourcedOption, apply_options, load_file
+from tracejoin.core.metrics import Metrics
+from tracejoin.kernel.probes import ProbeError
 
 log = logging.getLogger("tracejoin")
 
@@ -57,7 +57,7 @@ def main(verbose: bool) -> None:
 def doctor(as_json: bool, disable_tracepoint: tuple[str, ...]) -> None:
     """Check every signal tracejoin offers: available, fallback (which), or unavailable (why,
     and what would fix it). Exits 0 when the core pipeline can run."""
-    from agent.doctor import DoctorOptions, run_checks
+    from tracejoin.host.doctor import DoctorOptions, run_checks
 
     report = run_checks(DoctorOptions(disabled_tracepoints=frozenset(disable_tracepoint)))
     if as_json:
@@ -67,99 +67,10 @@ def doctor(as_json: bool, disable_tracepoint: tuple[str, ...]) -> None:
     sys.exit(report.exit_code)
 
 
-# ------------------------------------------------------------------------------- shared
-
-
-def _probe_config(s: Settings) -> ProbeConfig:
-    unknown = [tp for tp in s.disable_tracepoint if tp not in OPTIONAL_TRACEPOINTS]
-    if unknown:
-        raise click.BadParameter(
-            f"{', '.join(unknown)} is not an optional tracepoint (choose from "
-            f"{', '.join(OPTIONAL_TRACEPOINTS)})",
-            param_hint="--disable-tracepoint",
-        )
-    return ProbeConfig(
-        pids=s.pid,
-        ports=s.port,
-        comm=s.comm,
-        runq_threshold_ns=int(s.runq_threshold_ms * 1e6),
-        disabled_tracepoints=frozenset(s.disable_tracepoint),
-        tlb_hardware={"auto": None, "hardware": True, "flush": False}[s.tlb],
-    )
-
-
-def _otlp_destination(s: Settings, metrics: Metrics) -> Any | None:
-    """An OTLP queue when an endpoint is configured (flag or OTEL_* variables)."""
-    from exporters.config import exporter_from_env
-    from exporters.queue import BatchExportQueue
-
-    env = os.environ
-    if not (
-        s.otlp_endpoint
-        or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-        or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-    ):
-        return None
-    # the flag wins over the OTEL_* variables; errors name the flag's key
-    overrides = {"endpoint": s.otlp_endpoint, "protocol": s.otlp_protocol}
-    if s.otlp_endpoint:
-        overrides["traces_endpoint"] = None
-    try:
-        exporter = exporter_from_env(env, overrides)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
-    return BatchExportQueue(exporter, metrics, max_queue_spans=s.queue_size, name="otlp")
-
-
-def _file_destination(path: Path, s: Settings, metrics: Metrics) -> Any:
-    from exporters.file_sender import JsonLinesFileExporter
-    from exporters.queue import BatchExportQueue
-
-    return BatchExportQueue(
-        JsonLinesFileExporter(path),
-        metrics,
-        max_queue_spans=s.queue_size,
-        name="file",
-        flush_interval_s=0.5,
-    )
-
-
-def start_gpu_sampler(s: Settings, metrics: Metrics) -> Any:
-    """The NVML sampler when --gpu and NVML works; None otherwise (reported, never fatal)."""
-    if not s.gpu:
-        return None
-    from agent.gpu_sampler import GpuSampler
-
-    sampler = GpuSampler(metrics, interval_s=1.0 / s.gpu_sample_hz)
-    status = sampler.start()
-    if not status.available:
-        log.info("GPU signal off: %s", status.reason)
-        sampler.shutdown()
-        return None
-    return sampler
-
-
-def _builder_factory(s: Settings, metrics: Metrics, resource_for_pid: Any = None) -> Any:
-    from agent.spans import SpanBuilder
-
-    def make(tlb_mode: str) -> SpanBuilder:
-        return SpanBuilder(
-            metrics,
-            service_name=s.service_name,
-            no_parent=s.no_parent,
-            unsampled=s.unsampled,
-            runq_child_threshold_ns=int(s.runq_threshold_ms * 1e6),
-            tlb_mode=tlb_mode,
-            resource_for_pid=resource_for_pid,
-        )
-
-    return make
-
-
 def _require_root() -> None:
     """Fail before compiling anything when the effective capabilities cannot load the probes.
     CapEff decides, not the uid: root in a container can lack CAP_BPF."""
-    from agent.doctor import missing_capabilities
+    from tracejoin.host.doctor import missing_capabilities
 
     missing = missing_capabilities()
     if missing:
@@ -183,11 +94,11 @@ def capture(**params: Any) -> None:
     the spans also go there. Ctrl-C ends the capture early and still writes everything.
     See docs/capture.md.
     """
-    from agent.capture import run_capture
+    from tracejoin.commands.capture import run_capture
 
     s = Settings.from_params(params)
     _require_root()
-    sys.exit(run_capture(s, _probe_config(s)))
+    sys.exit(run_capture(s, probe_config(s)))
 
 
 # ------------------------------------------------------------------------------- run
@@ -225,7 +136,7 @@ def run(spans_file: Path | None, **params: Any) -> None:
     """Run the agent until SIGTERM/SIGINT: export one span per request, serve /healthz,
     /readyz and /metrics. On SIGTERM: detach the probes, flush for what is left of
     --shutdown-timeout, and be gone at most 1 s after it (a second signal exits at once)."""
-    from agent.daemon import run_daemon
+    from tracejoin.commands.run import run_daemon
 
     ctx = click.get_current_context()
     # _otlp_destination passes these settings as overrides, which outrank every OTEL_*
@@ -240,7 +151,7 @@ def run(spans_file: Path | None, **params: Any) -> None:
             params[key] = None
     s = Settings.from_params(params)
     _require_root()
-    code = run_daemon(s, _probe_config(s), spans_file)
+    code = run_daemon(s, probe_config(s), spans_file)
     # Everything is flushed or counted as dropped by now. Skip the interpreter's teardown:
     # destructors it would run (gRPC channels, libbcc objects) take unbounded time and would
     # break the documented exit bound (agent/daemon.py).
@@ -260,7 +171,7 @@ def report(path: Path) -> None:
 
     PATH is a capture directory (or any file in it), or an OTLP/JSON spans file: one
     ExportTraceServiceRequest per line, or one whole document."""
-    from agent.summary import load_report
+    from tracejoin.commands.summary import load_report
 
     try:
         summary = load_report(path)
@@ -276,11 +187,11 @@ def report(path: Path) -> None:
 @apply_options("capture")
 def ebpf(**params: Any) -> None:
     """Print the BPF C and the compiler flags exactly as they would be loaded."""
-    from agent.probes import HttpProbes
+    from tracejoin.kernel.probes import HttpProbes
 
     s = Settings.from_params(params)
     try:
-        src, flags = HttpProbes(_probe_config(s), Metrics(), lambda _b: None).render()
+        src, flags = HttpProbes(probe_config(s), Metrics(), lambda _b: None).render()
     except ProbeError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"// cflags: {' '.join(flags)}")

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
 
-from agent.model import AttrValue
+from tracejoin.core.model import AttrValue
 
 V = TypeVar("V")
 

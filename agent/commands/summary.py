@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.model import KIND_SERVER, STATUS_ERROR, Span
+from tracejoin.core.model import KIND_SERVER, STATUS_ERROR, Span
 
 WIDTH = 100
 NAME = 20  # endpoint column; longer names get a line of their own

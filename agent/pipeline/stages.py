@@ -14,11 +14,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from agent.decode import HttpRecord, RecordDecoder
-from agent.metrics import Metrics
-from agent.model import AttrValue, Span
-from agent.probes import HttpProbes, ProbeConfig
-from agent.spans import SpanBuilder
+from tracejoin.core.metrics import Metrics
+from tracejoin.core.model import AttrValue, Span
+from tracejoin.kernel.decode import HttpRecord, RecordDecoder
+from tracejoin.kernel.probes import HttpProbes, ProbeConfig
+from tracejoin.pipeline.spans import SpanBuilder
 
 log = logging.getLogger(__name__)
 

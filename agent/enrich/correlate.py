@@ -13,9 +13,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from agent import traceparent
-from agent.decode import REQF_TP_WINDOW, REQF_TUPLE, HttpRecord
-from agent.metrics import Metrics
+from tracejoin.core.metrics import Metrics
+from tracejoin.enrich import traceparent
+from tracejoin.kernel.decode import REQF_TP_WINDOW, REQF_TUPLE, HttpRecord
 
 
 class KernelClock:

@@ -21,26 +21,22 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import FrameType
 
-from agent import __version__, traceparent
-from agent.cli import (
-    _builder_factory,
-    _file_destination,
-    _otlp_destination,
-    start_gpu_sampler,
-)
-from agent.config import ConfigError, Settings
-from agent.decode import KERNEL_COUNTERS
-from agent.k8s import (
+from tracejoin import __version__
+from tracejoin.app import builder_factory, file_destination, otlp_destination, start_gpu_sampler
+from tracejoin.config import ConfigError, Settings
+from tracejoin.core.metrics import Metrics
+from tracejoin.core.model import AttrValue
+from tracejoin.enrich import traceparent
+from tracejoin.enrich.k8s import (
     K8sResolver,
     KubeletClient,
     expand_node_name,
     parse_resource_attributes,
     resource_hook,
 )
-from agent.metrics import Metrics
-from agent.model import AttrValue
-from agent.pipeline import Pipeline
-from agent.probes import ProbeConfig, ProbeError
+from tracejoin.kernel.decode import KERNEL_COUNTERS
+from tracejoin.kernel.probes import ProbeConfig, ProbeError
+from tracejoin.pipeline.stages import Pipeline
 
 log = logging.getLogger(__name__)
 DEFAULT_SPANS_FILE = Path("tracejoin-spans.otlp.jsonl")
@@ -248,11 +244,11 @@ def run_daemon(s: Settings, probe_config: ProbeConfig, spans_file: Path | None) 
     metrics = Metrics()
     resource_for_pid = build_resource_hook(s, metrics)
     destinations = []
-    otlp = _otlp_destination(s, metrics)
+    otlp = otlp_destination(s, metrics)
     if otlp is not None:
         destinations.append(otlp)
     if spans_file is not None or otlp is None:
-        destinations.append(_file_destination(spans_file or DEFAULT_SPANS_FILE, s, metrics))
+        destinations.append(file_destination(spans_file or DEFAULT_SPANS_FILE, s, metrics))
     declare_metrics(metrics, [d.name for d in destinations if d.name])
 
     health = None
@@ -274,7 +270,7 @@ def run_daemon(s: Settings, probe_config: ProbeConfig, spans_file: Path | None) 
             metrics.set("gpu_nvml_available", 0)
     pipeline = Pipeline(
         probe_config,
-        _builder_factory(s, metrics, resource_for_pid=resource_for_pid),
+        builder_factory(s, metrics, resource_for_pid=resource_for_pid),
         destinations,
         metrics,
         gpu=gpu,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 
-from agent.metrics import Metrics
+from tracejoin.core.metrics import Metrics
 
 REC_HTTP = 1
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.gpu_join import (
+from tracejoin.core.gpu import (
     NS_PER_S,
     DeviceHistory,
     DeviceState,
@@ -29,8 +29,8 @@ from agent.gpu_join import (
     join_device,
     span_attributes,
 )
-from agent.metrics import Metrics
-from agent.model import AttrValue
+from tracejoin.core.metrics import Metrics
+from tracejoin.core.model import AttrValue
 
 log = logging.getLogger("tracejoin.gpu")
 

@@ -26,14 +26,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from agent.cli import _builder_factory, _file_destination, _otlp_destination
-from agent.config import Settings
-from agent.decode import HttpRecord
-from agent.metrics import Metrics
-from agent.model import Span
-from agent.pipeline import Pipeline
-from agent.probes import ProbeConfig, ProbeError
-from agent.summary import (
+from tracejoin.app import builder_factory, file_destination, otlp_destination
+from tracejoin.commands.summary import (
     CAPTURE_FILE,
     CAPTURE_FILES,
     COUNTERS_FILE,
@@ -43,8 +37,14 @@ from agent.summary import (
     SUMMARY_FILE,
     Summary,
 )
-from exporters.perfetto import PerfettoTraceWriter
-from exporters.queue import BatchExportQueue
+from tracejoin.config import Settings
+from tracejoin.core.metrics import Metrics
+from tracejoin.core.model import Span
+from tracejoin.exporters.perfetto import PerfettoTraceWriter
+from tracejoin.exporters.queue import BatchExportQueue
+from tracejoin.kernel.decode import HttpRecord
+from tracejoin.kernel.probes import ProbeConfig, ProbeError
+from tracejoin.pipeline.stages import Pipeline
 
 log = logging.getLogger("tracejoin.capture")
 
@@ -138,7 +138,7 @@ def _start_sampler(s: Settings, metrics: Metrics, sampler: Any) -> tuple[Any, st
     if sampler is None:
         if not s.gpu:
             return None, "off (--no-gpu)"
-        from agent.gpu_sampler import GpuSampler
+        from tracejoin.enrich.gpu_sampler import GpuSampler
 
         sampler = GpuSampler(metrics, interval_s=1.0 / s.gpu_sample_hz)
     status = sampler.start()
@@ -159,7 +159,7 @@ def run_capture(
 ) -> int:
     """Run one capture; returns the exit status (0, or 2 when the probes cannot load).
 
-    `gpu_sampler`: an agent.gpu_sampler.GpuSampler to use instead of opening NVML (tests pass
+    `gpu_sampler`: an enrich.gpu_sampler.GpuSampler to use instead of opening NVML (tests pass
     one over agent.nvml_fake.FakeNvml); run_capture starts and shuts it down. `on_ready`: called
     once the probes are attached, right after the "capturing" line.
     """
@@ -182,7 +182,7 @@ def _capture(
     tty = con.tty
     clear = "\r\x1b[2K" if os.environ.get("TERM") != "dumb" else "\r"
     metrics = Metrics()
-    otlp = _otlp_destination(s, metrics)  # first: a bad endpoint fails before any file changes
+    otlp = otlp_destination(s, metrics)  # first: a bad endpoint fails before any file changes
     outdir = s.output_dir
     spans_path = outdir / SPANS_FILE
     try:
@@ -197,7 +197,7 @@ def _capture(
 
     perfetto = PerfettoTraceWriter(outdir / PERFETTO_FILE, started_ns, close_on_shutdown=False)
     destinations: list[Any] = [
-        _file_destination(spans_path, s, metrics),
+        file_destination(spans_path, s, metrics),
         BatchExportQueue(
             perfetto, metrics, max_queue_spans=s.queue_size, name="perfetto", flush_interval_s=0.5
         ),
@@ -215,7 +215,7 @@ def _capture(
     gpu, gpu_text = _start_sampler(s, metrics, gpu_sampler)
     pipeline = Pipeline(
         probe_config,
-        _builder_factory(s, metrics),
+        builder_factory(s, metrics),
         destinations,
         metrics,
         on_spans=on_spans,
