@@ -14,11 +14,10 @@ from typing import Any
 import pytest
 import tracejoin.commands.run
 from click.testing import CliRunner, Result
-from tracejoin.config import BY_KEY, OPTIONS, ConfigError, Settings
-from tracejoin.core.metrics import Metrics
-
 from tracejoin import app
 from tracejoin.commands import cli
+from tracejoin.config import BY_KEY, OPTIONS, ConfigError, Settings
+from tracejoin.core.metrics import Metrics
 
 # Every variable that could leak in from the environment running the tests.
 _ENV_NAMES = sorted(

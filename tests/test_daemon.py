@@ -32,7 +32,8 @@ from typing import Any
 import pytest
 from harness import free_ports, new_traceparent, server
 from jaeger import Jaeger, parent_span_id, span_service, span_tags, trace_ids_equal
-from tracejoin.commands.run import HealthServer, declare_metrics, final_counters
+from tracejoin.commands.health import HealthServer
+from tracejoin.commands.run import declare_metrics, final_counters
 from tracejoin.core.metrics import Metrics
 
 TRACEJOIN = Path(sys.executable).parent / "tracejoin"

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from tracejoin.core.metrics import Metrics
+from tracejoin.enrich import k8s
 from tracejoin.enrich.k8s import (
     CgroupInfo,
     K8sResolver,
@@ -31,8 +32,6 @@ from tracejoin.enrich.k8s import (
     workload_attributes,
 )
 from tracejoin.pipeline.spans import SpanBuilder
-
-from tracejoin.enrich import k8s
 
 CID = "3f4e5d6c7b8a99887766554433221100ffeeddccbbaa00112233445566778899"
 CID2 = "aa" * 32
