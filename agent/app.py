@@ -1,27 +1,60 @@
-"""The composition root: builds the agent from settings, in one place."""
+"""The composition root: the one place that builds the agent from settings.
+
+`build_agent` wires the record source (the BPF probes unless one is injected), the enrichers,
+the pipeline and the destinations chosen here. `Agent` gives them one lifecycle: start() brings
+them up sink-first (destinations, GPU sampler, then the probes, then the reader), and the
+idempotent shutdown(timeout_s) takes them down source-first under one deadline (detach the
+probes, drain what the kernel already queued, flush, close). `tracejoin capture` and
+`tracejoin run` are thin front-ends over this.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import click
-from tracejoin.config import Settings
+from tracejoin.config import ConfigError, Settings
 from tracejoin.core.metrics import Metrics
-from tracejoin.kernel.probes import OPTIONAL_TRACEPOINTS, ProbeConfig
+from tracejoin.core.model import AttrValue, Resource
+from tracejoin.enrich.correlate import ProcessTable
+from tracejoin.enrich.enricher import Enricher
+from tracejoin.enrich.k8s import (
+    K8sResolver,
+    KubeletClient,
+    expand_node_name,
+    parse_resource_attributes,
+    resource_hook,
+)
+from tracejoin.kernel.probes import OPTIONAL_TRACEPOINTS, HttpProbes, ProbeConfig, ProbeStatus
+from tracejoin.pipeline.spans import SpanOptions
+from tracejoin.pipeline.stages import (
+    Destination,
+    GpuHold,
+    Observer,
+    Pipeline,
+    RecordSource,
+    flush_in_parallel,
+)
 
 log = logging.getLogger("tracejoin")
+
+DEFAULT_SPANS_FILE = Path("tracejoin-spans.otlp.jsonl")
+
+
+# ----------------------------------------------------------------------------- settings -> parts
 
 
 def probe_config(s: Settings) -> ProbeConfig:
     unknown = [tp for tp in s.disable_tracepoint if tp not in OPTIONAL_TRACEPOINTS]
     if unknown:
-        raise click.BadParameter(
-            f"{', '.join(unknown)} is not an optional tracepoint (choose from "
-            f"{', '.join(OPTIONAL_TRACEPOINTS)})",
-            param_hint="--disable-tracepoint",
+        raise ConfigError(
+            f"--disable-tracepoint: {', '.join(unknown)} is not an optional tracepoint "
+            f"(choose from {', '.join(OPTIONAL_TRACEPOINTS)})"
         )
     return ProbeConfig(
         pids=s.pid,
@@ -33,12 +66,14 @@ def probe_config(s: Settings) -> ProbeConfig:
     )
 
 
-def otlp_destination(s: Settings, metrics: Metrics) -> Any | None:
+def otlp_destination(
+    s: Settings, metrics: Metrics, environ: Mapping[str, str] | None = None
+) -> Destination | None:
     """An OTLP queue when an endpoint is configured (flag or OTEL_* variables)."""
     from tracejoin.exporters.config import exporter_from_env
     from tracejoin.exporters.queue import BatchExportQueue
 
-    env = os.environ
+    env = os.environ if environ is None else environ
     if not (
         s.otlp_endpoint
         or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -52,11 +87,11 @@ def otlp_destination(s: Settings, metrics: Metrics) -> Any | None:
     try:
         exporter = exporter_from_env(env, overrides)
     except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
+        raise ConfigError(str(exc)) from exc
     return BatchExportQueue(exporter, metrics, max_queue_spans=s.queue_size, name="otlp")
 
 
-def file_destination(path: Path, s: Settings, metrics: Metrics) -> Any:
+def file_destination(path: Path, s: Settings, metrics: Metrics) -> Destination:
     from tracejoin.exporters.file_sender import JsonLinesFileExporter
     from tracejoin.exporters.queue import BatchExportQueue
 
@@ -69,33 +104,271 @@ def file_destination(path: Path, s: Settings, metrics: Metrics) -> Any:
     )
 
 
-def start_gpu_sampler(s: Settings, metrics: Metrics) -> Any:
-    """The NVML sampler when --gpu and NVML works; None otherwise (reported, never fatal)."""
-    if not s.gpu:
-        return None
-    from tracejoin.enrich.gpu_sampler import GpuSampler
+def run_destinations(s: Settings, metrics: Metrics, spans_file: Path | None) -> list[Destination]:
+    """`tracejoin run`: OTLP when configured; the spans file when asked for, or when there is
+    nowhere else to send."""
+    out: list[Destination] = []
+    otlp = otlp_destination(s, metrics)
+    if otlp is not None:
+        out.append(otlp)
+    if spans_file is not None or otlp is None:
+        out.append(file_destination(spans_file or DEFAULT_SPANS_FILE, s, metrics))
+    return out
 
-    sampler = GpuSampler(metrics, interval_s=1.0 / s.gpu_sample_hz)
+
+def capture_destinations(
+    s: Settings, metrics: Metrics, spans_path: Path, perfetto: Any
+) -> list[Destination]:
+    """`tracejoin capture`: the spans file and the Perfetto timeline, plus OTLP when set."""
+    from tracejoin.exporters.queue import BatchExportQueue
+
+    out = [
+        file_destination(spans_path, s, metrics),
+        BatchExportQueue(
+            perfetto, metrics, max_queue_spans=s.queue_size, name="perfetto", flush_interval_s=0.5
+        ),
+    ]
+    otlp = otlp_destination(s, metrics)
+    if otlp is not None:
+        out.append(otlp)
+    return out
+
+
+def open_gpu(s: Settings, metrics: Metrics, sampler: Any = None) -> tuple[Any, str]:
+    """(the started NVML sampler, or None; how the GPU signal is described to the user).
+    `sampler`: one to use instead of opening NVML (tests pass one over an NVML double)."""
+    if sampler is None:
+        if not s.gpu:
+            metrics.set("gpu_sampler_running", 0)
+            metrics.set("gpu_nvml_available", 0)
+            return None, "off (--no-gpu)"
+        from tracejoin.enrich.gpu_sampler import GpuSampler
+
+        sampler = GpuSampler(metrics, interval_s=1.0 / s.gpu_sample_hz)
     status = sampler.start()
     if not status.available:
         log.info("GPU signal off: %s", status.reason)
         sampler.shutdown()
-        return None
-    return sampler
+        metrics.set("gpu_sampler_running", 0)
+        return None, f"off ({status.reason})"
+    n = len(sampler.histories())
+    return sampler, f"{n} device{'s' if n != 1 else ''} sampled"
 
 
-def builder_factory(s: Settings, metrics: Metrics, resource_for_pid: Any = None) -> Any:
-    from tracejoin.pipeline.spans import SpanBuilder
+# ----------------------------------------------------------------------------- resources
 
-    def make(tlb_mode: str) -> SpanBuilder:
-        return SpanBuilder(
-            metrics,
-            service_name=s.service_name,
-            no_parent=s.no_parent,
-            unsampled=s.unsampled,
-            runq_child_threshold_ns=int(s.runq_threshold_ms * 1e6),
-            tlb_mode=tlb_mode,
-            resource_for_pid=resource_for_pid,
+
+class ProcessResources:
+    """The per-process resource: service and process names, host, Kubernetes metadata and the
+    OTEL_RESOURCE_ATTRIBUTES defaults, cached per pid."""
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        *,
+        service_name: str | None,
+        static: dict[str, AttrValue],
+        extra: Callable[[int], dict[str, AttrValue]] | None = None,
+    ) -> None:
+        import socket
+
+        self.service_name = service_name
+        self.static = static
+        self.extra = extra  # Kubernetes metadata over the OTEL_RESOURCE_ATTRIBUTES defaults
+        self.procs = ProcessTable()
+        self._host = socket.gethostname()
+        self._cache: dict[int, Resource] = {}
+
+    def start(self) -> None:
+        pass
+
+    def shutdown(self, timeout_s: float = 1.0) -> None:
+        pass
+
+    def resource(self, pid: int) -> Resource:
+        res = self._cache.get(pid)
+        if res is not None:
+            return res
+        proc = self.procs.get(pid)
+        attrs: dict[str, AttrValue] = {
+            "service.name": self.service_name or proc.name,
+            "host.name": self._host,
+            "process.pid": pid,
+            "process.executable.name": proc.executable,
+            "telemetry.sdk.name": "tracejoin",
+            "telemetry.sdk.language": "python",
+            **self.static,
+        }
+        if self.extra is not None:
+            attrs.update(self.extra(pid))
+        if self.service_name:
+            attrs["service.name"] = self.service_name
+        res = Resource(tuple(attrs.items()))
+        if len(self._cache) > 4096:
+            self._cache.clear()
+        self._cache[pid] = res
+        return res
+
+
+def resources_factory(
+    s: Settings, metrics: Metrics, environ: Mapping[str, str] | None = None
+) -> Callable[[dict[str, AttrValue]], ProcessResources]:
+    """Validates what the resource needs now (bad values raise ConfigError naming the key), and
+    returns how to build it once the probes say what the static attributes are."""
+    env = os.environ if environ is None else environ
+    try:
+        env_attrs = parse_resource_attributes(env.get("OTEL_RESOURCE_ATTRIBUTES", ""))
+    except ValueError as exc:
+        raise ConfigError(f"OTEL_RESOURCE_ATTRIBUTES: {exc}") from exc
+    kubelet = None
+    if s.kubelet_url:
+        try:
+            url = expand_node_name(s.kubelet_url, s.node_name)
+        except ValueError as exc:
+            raise ConfigError(f"kubelet_url (--kubelet-url): {exc}") from exc
+        kubelet = KubeletClient(
+            url,
+            token_file=s.kubelet_token_file,
+            ca_file=s.kubelet_ca_file,
+            insecure_tls=s.kubelet_insecure_tls,
         )
+        log.info("pod metadata from the kubelet at %s", url)
+    hook = resource_hook(K8sResolver(metrics, node_name=s.node_name, kubelet=kubelet), env_attrs)
+
+    def make(static: dict[str, AttrValue]) -> ProcessResources:
+        return ProcessResources(metrics, service_name=s.service_name, static=static, extra=hook)
 
     return make
+
+
+# ----------------------------------------------------------------------------- the agent
+
+
+class Agent:
+    """Destinations, GPU sampler, resources, record source and pipeline, with one lifecycle.
+    start() may raise (ProbeError when the probes cannot load); shutdown() always cleans up
+    whatever start() got to, and is idempotent and safe without start."""
+
+    def __init__(
+        self,
+        s: Settings,
+        metrics: Metrics,
+        source: RecordSource,
+        destinations: Sequence[Destination],
+        make_resources: Callable[[dict[str, AttrValue]], ProcessResources],
+        *,
+        gpu_sampler: Any = None,
+        observers: Sequence[Observer] = (),
+    ) -> None:
+        self.settings = s
+        self.metrics = metrics
+        self.source = source
+        self.destinations = list(destinations)
+        self.make_resources = make_resources
+        self.observers = list(observers)
+        self._given_gpu = gpu_sampler
+        self.gpu: Any = None
+        self.gpu_text = "off"
+        self.resources: ProcessResources | None = None
+        self.pipeline: Pipeline | None = None
+        self.ready = threading.Event()
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    @property
+    def status(self) -> ProbeStatus:
+        return self.source.status
+
+    def start(self) -> None:
+        s = self.settings
+        for dest in self.destinations:
+            dest.start()
+        self.gpu, self.gpu_text = open_gpu(s, self.metrics, self._given_gpu)
+        self.source.start()  # compiles and attaches: seconds
+        status = self.source.status
+        with self._lock:
+            if self._stopped:  # shut down while the probes loaded: leave it to shutdown()
+                return
+            self.resources = self.make_resources({"tracejoin.tlb.mode": status.tlb_mode})
+            self.resources.start()
+            enricher = Enricher(
+                self.metrics,
+                self.resources.resource,
+                no_parent=s.no_parent,
+                unsampled=s.unsampled,
+            )
+            options = SpanOptions.from_status(
+                status.signals, status.tlb_mode, int(s.runq_threshold_ms * 1e6)
+            )
+            gpu_hold = (
+                GpuHold(self.gpu, self.metrics, hold_s=3.0 / s.gpu_sample_hz)
+                if self.gpu is not None
+                else None
+            )
+            self.pipeline = Pipeline(
+                self.source,
+                enricher,
+                options,
+                self.destinations,
+                self.metrics,
+                gpu_hold=gpu_hold,
+                observers=self.observers,
+            )
+            self.pipeline.start()
+        self.ready.set()
+
+    def alive(self) -> bool:
+        """The reader runs (true before start, when nothing is expected to run yet)."""
+        return self.pipeline is None or self.pipeline.reader_alive()
+
+    def kernel_counters(self) -> dict[str, int]:
+        if self.pipeline is None:
+            return {}
+        return self.pipeline.kernel_counters()
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Source-first under one deadline: detach, drain, flush, close. Idempotent."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            pipeline = self.pipeline
+        deadline = time.monotonic() + timeout_s
+        if pipeline is not None:
+            pipeline.shutdown(max(0.1, deadline - time.monotonic()))
+        else:  # start() failed or never ran: close what it opened
+            self.source.shutdown()
+            flush_in_parallel(self.destinations, deadline)
+        if self.gpu is not None:
+            stopper = threading.Thread(
+                target=self.gpu.shutdown, daemon=True, name="tracejoin-gpu-stop"
+            )
+            stopper.start()
+            stopper.join(max(0.1, deadline - time.monotonic()))
+        if self.resources is not None:
+            self.resources.shutdown(max(0.1, deadline - time.monotonic()))
+
+
+def build_agent(
+    s: Settings,
+    metrics: Metrics,
+    destinations: Sequence[Destination],
+    *,
+    source: RecordSource | None = None,
+    gpu_sampler: Any = None,
+    observers: Sequence[Observer] = (),
+    environ: Mapping[str, str] | None = None,
+) -> Agent:
+    """Everything that can be checked before the probes load is checked here (ConfigError)."""
+    make_resources = resources_factory(s, metrics, environ)
+    if source is None:
+        source = HttpProbes(probe_config(s), metrics)
+    return Agent(
+        s,
+        metrics,
+        source,
+        destinations,
+        make_resources,
+        gpu_sampler=gpu_sampler,
+        observers=observers,
+    )

@@ -18,13 +18,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tracejoin.app import build_agent
+from tracejoin.config import Settings
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import KIND_SERVER, Span
 from tracejoin.exporters.base import InMemoryExporter
 from tracejoin.exporters.grpc_sender import OtlpGrpcExporter
 from tracejoin.exporters.queue import BatchExportQueue
-from tracejoin.kernel.probes import ProbeConfig
-from tracejoin.pipeline.spans import SpanBuilder
+from tracejoin.kernel.probes import HttpProbes, ProbeConfig
 from tracejoin.pipeline.stages import Pipeline
 
 HERE = Path(__file__).parent
@@ -79,17 +80,19 @@ class Agent:
                 )
             )
         cfg = probe_config or ProbeConfig(ports=tuple(ports))
+        self.source = HttpProbes(cfg, self.metrics)
+        self.app = build_agent(Settings(gpu=False), self.metrics, dests, source=self.source)
 
-        def builder(tlb_mode: str) -> SpanBuilder:
-            return SpanBuilder(self.metrics, tlb_mode=tlb_mode)
-
-        self.pipeline = Pipeline(cfg, builder, dests, self.metrics)
+    @property
+    def pipeline(self) -> Pipeline:
+        assert self.app.pipeline is not None, "the agent has not started"
+        return self.app.pipeline
 
     def start(self) -> None:
-        self.pipeline.start()
+        self.app.start()
 
     def shutdown(self) -> None:
-        self.pipeline.shutdown(5.0)
+        self.app.shutdown(5.0)
 
     def take_port(self) -> int:
         return self._free.pop()

@@ -277,7 +277,6 @@ def inproc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessCaptur
     if reason:
         pytest.skip(f"privileged test needs: {reason}")
     from nvml_fake import GPU, MEMORY, FakeDevice, FakeNvml
-    from tracejoin.app import probe_config as _probe_config
     from tracejoin.commands.capture import run_capture
     from tracejoin.config import Settings
     from tracejoin.enrich.gpu_sampler import GpuSampler
@@ -301,9 +300,7 @@ def inproc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessCaptur
         settings = Settings(pid=(srv.pid,), port=(port,), duration=3.0, output_dir=outdir)
         worker = threading.Thread(target=workload, args=(port, traffic), daemon=True)
         out = _Out()
-        rc = run_capture(
-            settings, _probe_config(settings), out, gpu_sampler=sampler, on_ready=worker.start
-        )
+        rc = run_capture(settings, out, gpu_sampler=sampler, on_ready=worker.start)
         worker.join(10)
         yield InProcessCapture(rc, out.getvalue(), outdir, traffic, srv.pid, port)
 

@@ -41,7 +41,7 @@ class Captured(Exception):
 
 @pytest.fixture(autouse=True)
 def stub_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
-    def fake_run_daemon(s: Settings, _probe_config: Any, _spans_file: Any) -> int:
+    def fake_run_daemon(s: Settings, _spans_file: Any) -> int:
         raise Captured(s)
 
     monkeypatch.setattr(tracejoin.commands.run, "run_daemon", fake_run_daemon)
@@ -261,16 +261,13 @@ def test_standard_otel_variables() -> None:
 
 def test_resource_attributes_and_kubelet_url_are_checked_at_start() -> None:
     m = Metrics()
-    hook = tracejoin.commands.run.build_resource_hook(
+    make = app.resources_factory(
         Settings(node_name="n1"), m, {"OTEL_RESOURCE_ATTRIBUTES": "k8s.cluster.name=prod"}
     )
-    attrs = hook(2**22 + 12345)  # no such pid: the defaults and the node name only
-    assert attrs == {"k8s.cluster.name": "prod", "k8s.node.name": "n1"}
+    attrs = dict(make({}).resource(2**22 + 12345).attributes)  # no such pid
+    assert attrs["k8s.cluster.name"] == "prod"
+    assert attrs["k8s.node.name"] == "n1"
     with pytest.raises(ConfigError, match="OTEL_RESOURCE_ATTRIBUTES: expected key=value"):
-        tracejoin.commands.run.build_resource_hook(
-            Settings(), m, {"OTEL_RESOURCE_ATTRIBUTES": "oops"}
-        )
+        app.resources_factory(Settings(), m, {"OTEL_RESOURCE_ATTRIBUTES": "oops"})
     with pytest.raises(ConfigError, match=r"kubelet_url \(--kubelet-url\).*NODE_NAME"):
-        tracejoin.commands.run.build_resource_hook(
-            Settings(kubelet_url="https://${NODE_NAME}:10250/pods"), m, {}
-        )
+        app.resources_factory(Settings(kubelet_url="https://${NODE_NAME}:10250/pods"), m, {})

@@ -135,6 +135,9 @@ class StubPipeline:
             raise OSError("maps closed under us")  # a scrape during shutdown
         return {}
 
+    def alive(self) -> bool:
+        return self._reader is None or self._reader.is_alive()
+
 
 def _get(url: str) -> tuple[int, str]:
     try:

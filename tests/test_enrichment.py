@@ -88,7 +88,7 @@ def test_run_queue_delay_rises_with_a_competitor_on_the_same_cpu(agent):
 
 
 def test_tlb_fallback_is_named_flushes_and_rises_with_shootdowns(agent):
-    assert agent.pipeline.probes.status.tlb_mode == "flush_fallback"  # no PMU in this VM
+    assert agent.pipeline.source.status.tlb_mode == "flush_fallback"  # no PMU in this VM
     port = agent.take_port()
     with server("threaded", port):
         _get(agent, port, "/tlb?n=1")

@@ -1,19 +1,18 @@
 """Issue 5 through the real pipeline: real BPF and a real server; NVML replaced at its boundary
-by agent.nvml_fake (no GPU on these machines; bench/gpu_check.py checks the real thing)."""
+by tests/nvml_fake.py (no GPU on these machines; bench/gpu_check.py checks the real thing)."""
 
 from __future__ import annotations
 
 import pytest
 from harness import free_ports, new_traceparent, raw_request, server
 from nvml_fake import FakeDevice, FakeNvml
+from tracejoin.app import build_agent
+from tracejoin.config import Settings
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import KIND_SERVER
 from tracejoin.enrich.gpu_sampler import GpuSampler
 from tracejoin.exporters.base import InMemoryExporter
 from tracejoin.exporters.queue import BatchExportQueue
-from tracejoin.kernel.probes import ProbeConfig
-from tracejoin.pipeline.spans import SpanBuilder
-from tracejoin.pipeline.stages import Pipeline
 
 pytestmark = pytest.mark.privileged
 
@@ -28,18 +27,13 @@ def test_spans_carry_the_gpu_window_of_their_process(require_root):
     metrics = Metrics()
     memory = InMemoryExporter()
     queue = BatchExportQueue(memory, metrics, flush_interval_s=0.05)
-    pipeline = Pipeline(
-        ProbeConfig(ports=(port,)),
-        lambda tlb: SpanBuilder(metrics, tlb_mode=tlb),
-        [queue],
-        metrics,
-        gpu=sampler,
-        gpu_hold_s=2.0,
+    agent = build_agent(
+        Settings(port=(port,), gpu_sample_hz=1.5), metrics, [queue], gpu_sampler=sampler
     )
     with server("threaded", port) as proc:
         dev.compute_procs = {proc.pid: 3 << 30}
-        assert sampler.start().available
-        pipeline.start()
+        agent.start()
+        assert agent.gpu is sampler, agent.gpu_text
         try:
             tp, trace_id, _ = new_traceparent()
             raw_request(
@@ -55,8 +49,7 @@ def test_spans_carry_the_gpu_window_of_their_process(require_root):
             ]:
                 time.sleep(0.05)
         finally:
-            pipeline.shutdown(5.0)
-            sampler.shutdown()
+            agent.shutdown(5.0)
     (span,) = [s for s in memory.spans if s.trace_id == trace_id and s.kind == KIND_SERVER]
     a = span.attributes
     assert a["tracejoin.gpu.kernel_active.ratio.avg"] == pytest.approx(0.12, abs=0.01)

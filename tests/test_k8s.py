@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tracejoin.app import ProcessResources
 from tracejoin.core.metrics import Metrics
 from tracejoin.enrich import k8s
 from tracejoin.enrich.k8s import (
@@ -31,7 +32,6 @@ from tracejoin.enrich.k8s import (
     resource_hook,
     workload_attributes,
 )
-from tracejoin.pipeline.spans import SpanBuilder
 
 CID = "3f4e5d6c7b8a99887766554433221100ffeeddccbbaa00112233445566778899"
 CID2 = "aa" * 32
@@ -622,22 +622,22 @@ def test_service_name_from_the_workload(
 def test_span_resource_carries_k8s_metadata_and_the_flag_wins(
     tmp_path: Path, kubelet: FakeKubelet
 ) -> None:
-    pid = 99_999_999  # no such process: SpanBuilder's process name is "pid-99999999"
+    pid = 99_999_999  # no such process: the process name is "pid-99999999"
     procs = proc_tree(tmp_path, {pid: containerd(CID, UID), pid - 1: v2("/user.slice")})
     resolver = K8sResolver(
         Metrics(), node_name="node-a", kubelet=KubeletClient(kubelet.url), proc_root=procs
     )
     hook = resource_hook(resolver, {"k8s.cluster.name": "prod", "k8s.pod.name": "agent-pod"})
-    res = SpanBuilder(Metrics(), resource_for_pid=hook).resource(pid)
+    res = ProcessResources(Metrics(), service_name=None, static={}, extra=hook).resource(pid)
     assert res.get("service.name") == "checkout"
     assert res.get("k8s.pod.name") == "checkout-7d9f8b6c5d-x2x9q"  # not the env default
     assert res.get("k8s.cluster.name") == "prod"  # env default fills in
     assert res.get("process.pid") == pid
-    host = SpanBuilder(Metrics(), resource_for_pid=hook).resource(pid - 1)
+    host = ProcessResources(Metrics(), service_name=None, static={}, extra=hook).resource(pid - 1)
     assert host.get("service.name") == f"pid-{pid - 1}"  # not in a container: process name
     assert host.get("k8s.node.name") == "node-a"
     assert host.get("container.id") is None
-    overridden = SpanBuilder(Metrics(), service_name="edge", resource_for_pid=hook)
+    overridden = ProcessResources(Metrics(), service_name="edge", static={}, extra=hook)
     assert overridden.resource(pid).get("service.name") == "edge"
 
 

@@ -9,7 +9,7 @@ from tracejoin.kernel.probes import HttpProbes, ProbeConfig, ProbeError
 
 
 def _flags(cfg: ProbeConfig) -> list[str]:
-    return HttpProbes(cfg, Metrics(), lambda _b: None).render()[1]
+    return HttpProbes(cfg, Metrics()).render()[1]
 
 
 @pytest.mark.privileged
@@ -37,7 +37,7 @@ def test_tlb_hardware_path_is_selected_and_passes_the_verifier(require_root, mon
     """With a PMU the hardware path is chosen instead of the flush fallback; its programs
     compile and load here even though no counter can be opened in this VM."""
     monkeypatch.setattr(probes, "pmu_tlb_available", lambda: True)
-    src, flags = HttpProbes(ProbeConfig(), Metrics(), lambda _b: None).render()
+    src, flags = HttpProbes(ProbeConfig(), Metrics()).render()
     assert "-DTLB_HW" in flags
     from bcc import BPF
 

@@ -666,7 +666,7 @@ def test_churn_stays_within_lru_bounds_and_never_misattributes(rel):
         # reading 3 x 16k keys through BCC takes the GIL for a while: not too often, or the
         # in-process reader falls behind and the ring buffer overflows (counted, but a loss)
         while not stop.wait(2.0):
-            for k, v in pipe.probes.map_sizes().items():
+            for k, v in pipe.source.map_sizes().items():
                 sizes[k] = max(sizes.get(k, 0), v)
 
     k0 = pipe.kernel_counters()
@@ -689,7 +689,7 @@ def test_churn_stays_within_lru_bounds_and_never_misattributes(rel):
         stop.set()
         sampler.join()
         idle.close()
-    for k, v in pipe.probes.map_sizes().items():
+    for k, v in pipe.source.map_sizes().items():
         sizes[k] = max(sizes.get(k, 0), v)
     sent = churned + idle.sent
     # the reader has drained the ring buffer: every record submitted was received or lost
@@ -925,7 +925,7 @@ def test_no_pmu_flush_fallback_and_the_rest_works(rel):
     from tracejoin.kernel.probes import pmu_tlb_available
 
     agent = rel.agent
-    status = agent.pipeline.probes.status
+    status = agent.pipeline.source.status
     if pmu_tlb_available():
         assert status.tlb_mode == "hardware"
         pytest.skip("this host has a PMU: hardware TLB counters are in use, not the fallback")
@@ -960,7 +960,7 @@ def test_port_filter_covers_connections_from_before(rel):
     submitted = agent.pipeline.kernel_counters()["records_submitted"] - submitted0
     assert not leaked, (
         f"a request on port {rel.outsider_port} (not in the filter "
-        f"{agent.pipeline.probes.config.ports}) became a span"
+        f"{agent.pipeline.source.config.ports}) became a span"
     )
     assert submitted == 0
 

@@ -287,7 +287,6 @@ def test_required_tracepoint_cannot_be_disabled(require_root):
     probes = HttpProbes(
         ProbeConfig(disabled_tracepoints=frozenset({"sock:sock_recv_length"})),
         Metrics(),
-        lambda _b: None,
     )
     with pytest.raises(ProbeError, match="sock:sock_recv_length"):
         probes.start()

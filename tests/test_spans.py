@@ -1,43 +1,34 @@
-"""Record -> spans, on synthetic records (no BPF): naming, parents, policies, child spans."""
+"""Record -> enriched record -> spans, on synthetic records (no BPF): naming, parents, policies,
+child spans, and attributes only for the signals that were on."""
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
+from records import PID, TID, record
 from tracejoin.core.metrics import Metrics
-from tracejoin.core.model import KIND_INTERNAL, KIND_SERVER, STATUS_ERROR
-from tracejoin.kernel.decode import REQF_NO_RESPONSE, REQF_TUPLE, HttpRecord
-from tracejoin.pipeline.spans import SpanBuilder, route_of
+from tracejoin.core.model import KIND_INTERNAL, KIND_SERVER, STATUS_ERROR, Resource
+from tracejoin.enrich.enricher import Enricher
+from tracejoin.kernel.decode import REQF_NO_RESPONSE, HttpRecord
+from tracejoin.pipeline.spans import SpanOptions, build_spans, route_of
 
-TID = 0x4BF92F3577B34DA6A3CE929D0E0E4736
-PID = 0x00F067AA0BA902B7
+ALL_SIGNALS = frozenset({"recvq", "tcp_stats", "sched", "page_faults", "tlb_flush"})
+RESOURCE = Resource((("service.name", "svc"), ("process.pid", 1)))
 
 
-def record(
-    tp: str | None = None,
+def build(
+    m: Metrics,
+    rec: HttpRecord,
     *,
-    status: int = 200,
-    path: bytes = b"/x",
-    flags: int = 0,
-    arrival: int = 1_000_000,
-    read: int = 3_000_000,
-    end: int = 9_000_000,
-) -> HttpRecord:
-    r = HttpRecord()
-    r.type, r.pid, r.tid, r.status, r.flags = 1, 1, 1, status, flags | REQF_TUPLE
-    r.family, r.lport, r.rport = 2, 8080, 40000
-    r.laddr[:4], r.raddr[:4] = [127, 0, 0, 1], [10, 0, 0, 9]
-    r.method = b"GET"
-    r.method_len = 3
-    ctypes.memmove(ctypes.addressof(r) + HttpRecord.path.offset, path, len(path))
-    r.path_len = len(path)
-    if tp is not None:
-        raw = tp.encode()
-        ctypes.memmove(ctypes.addressof(r) + HttpRecord.tp.offset, raw, min(len(raw), 56))
-        r.tp_len, r.tp_count = len(raw), 1
-    r.arrival_ns, r.read_ns, r.resp_start_ns, r.end_ns = arrival, read, read + 1000, end
-    return r
+    no_parent: str = "root",
+    unsampled: str = "follow",
+    signals: frozenset[str] = ALL_SIGNALS,
+    tlb_mode: str = "flush_fallback",
+) -> list:
+    enricher = Enricher(m, lambda _pid: RESOURCE, no_parent=no_parent, unsampled=unsampled)
+    e = enricher.enrich(rec)
+    if e is None:
+        return []
+    return build_spans(e, SpanOptions(signals, tlb_mode), enricher.new_id)
 
 
 @pytest.mark.parametrize(
@@ -57,7 +48,7 @@ def test_route_has_bounded_cardinality(path, route):
 
 def test_child_of_the_callers_span():
     m = Metrics()
-    spans = SpanBuilder(m).build(record(f"00-{TID:032x}-{PID:016x}-01"))
+    spans = build(m, record(f"00-{TID:032x}-{PID:016x}-01"))
     server, child = spans
     assert (server.trace_id, server.parent_span_id, server.kind) == (TID, PID, KIND_SERVER)
     assert server.name == "GET /x"
@@ -74,10 +65,10 @@ def test_child_of_the_callers_span():
 
 def test_no_parent_policy_root_or_skip():
     m = Metrics()
-    root = SpanBuilder(m, no_parent="root").build(record(None))
+    root = build(m, record(None), no_parent="root")
     assert root[0].parent_span_id == 0 and root[0].trace_id != 0
-    assert SpanBuilder(m, no_parent="skip").build(record(None)) == []
-    bad = SpanBuilder(m, no_parent="skip").build(record(f"00-{TID:032X}-{PID:016x}-01"))
+    assert build(m, record(None), no_parent="skip") == []
+    bad = build(m, record(f"00-{TID:032X}-{PID:016x}-01"), no_parent="skip")
     assert bad == []
     assert m.get("traceparent_rejected", reason="uppercase") == 1
 
@@ -85,21 +76,80 @@ def test_no_parent_policy_root_or_skip():
 def test_unsampled_follows_the_caller_unless_told_to_record():
     m = Metrics()
     tp = f"00-{TID:032x}-{PID:016x}-00"
-    assert SpanBuilder(m).build(record(tp)) == []
+    assert build(m, record(tp)) == []
     assert m.get("requests_unsampled") == 1
-    (server, _) = SpanBuilder(m, unsampled="record").build(record(tp))
+    (server, _) = build(m, record(tp), unsampled="record")
     assert server.trace_id == TID and server.trace_flags == 0
 
 
 def test_error_status():
     m = Metrics()
-    assert SpanBuilder(m).build(record(None, status=503))[0].status_code == STATUS_ERROR
-    lost = SpanBuilder(m).build(record(None, status=0, flags=REQF_NO_RESPONSE))[0]
+    assert build(m, record(None, status=503))[0].status_code == STATUS_ERROR
+    lost = build(m, record(None, status=0, flags=REQF_NO_RESPONSE))[0]
     assert lost.status_code == STATUS_ERROR and "http.response.status_code" not in lost.attributes
 
 
 def test_service_name_override_and_resource():
+    from tracejoin import app
+    from tracejoin.config import Settings
+
     m = Metrics()
-    span = SpanBuilder(m, service_name="checkout").build(record(None))[0]
+    make = app.resources_factory(Settings(service_name="checkout"), m, {})
+    resources = make({"tracejoin.tlb.mode": "off"})
+    enricher = Enricher(m, resources.resource)
+    e = enricher.enrich(record(None))
+    assert e is not None
+    span = build_spans(e, SpanOptions(ALL_SIGNALS), enricher.new_id)[0]
     assert span.resource.get("service.name") == "checkout"
     assert span.resource.get("process.pid") == 1
+
+
+SIGNAL_ATTRIBUTES = {
+    "recvq": ["tracejoin.tcp.receive_queue_wait_ns"],
+    "tcp_stats": ["tracejoin.tcp.retransmits"],
+    "sched": [
+        "tracejoin.sched.runq_wait_ns",
+        "tracejoin.sched.runq_wait_max_ns",
+        "tracejoin.sched.offcpu_ns",
+        "tracejoin.sched.context_switches",
+    ],
+    "page_faults": ["tracejoin.mm.minor_faults", "tracejoin.mm.major_faults"],
+}
+
+
+@pytest.mark.parametrize("off", sorted(SIGNAL_ATTRIBUTES))
+def test_an_off_signal_is_omitted_not_reported_as_zero(off):
+    """With a signal's probes not loaded, its attributes are absent (never a measured 0), and
+    every other signal's attributes are still there."""
+    m = Metrics()
+    rec = record(f"00-{TID:032x}-{PID:016x}-01")
+    on = build(m, rec)[0].attributes
+    for names in SIGNAL_ATTRIBUTES.values():
+        for name in names:
+            assert name in on, name
+    spans = build(m, rec, signals=ALL_SIGNALS - {off})
+    attrs = spans[0].attributes
+    for name in SIGNAL_ATTRIBUTES[off]:
+        assert name not in attrs, name
+    for sig, names in SIGNAL_ATTRIBUTES.items():
+        if sig != off:
+            assert all(n in attrs for n in names), sig
+    if off == "recvq":  # and no child span claims a wait that was not measured
+        assert [s.name for s in spans[1:]] == []
+
+
+def test_tlb_mode_off_emits_no_tlb_attribute():
+    m = Metrics()
+    attrs = build(m, record(None), tlb_mode="off")[0].attributes
+    assert not [k for k in attrs if k.startswith("tracejoin.tlb.")]
+    flush = build(m, record(None), tlb_mode="flush_fallback")[0].attributes
+    assert "tracejoin.tlb.flushes" in flush and "tracejoin.tlb.dtlb_load_misses" not in flush
+
+
+def test_runq_children_need_the_sched_signal():
+    m = Metrics()
+    rec = record(None)
+    rec.runq[0].start_ns, rec.runq[0].dur_ns = 4_000_000, 2_000_000
+    names = [s.name for s in build(m, rec)]
+    assert names.count("sched.runq_wait") == 1
+    assert "sched.runq_wait" not in [s.name for s in build(m, rec, signals=ALL_SIGNALS - {"sched"})]

@@ -13,20 +13,19 @@ capture.json.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import signal
 import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from tracejoin.app import builder_factory, file_destination, otlp_destination
+from tracejoin.app import build_agent, capture_destinations
+from tracejoin.commands.signals import Stop, stop_on_signals
 from tracejoin.commands.summary import (
     CAPTURE_FILE,
     CAPTURE_FILES,
@@ -41,10 +40,9 @@ from tracejoin.config import Settings
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import Span
 from tracejoin.exporters.perfetto import PerfettoTraceWriter
-from tracejoin.exporters.queue import BatchExportQueue
 from tracejoin.kernel.decode import HttpRecord
-from tracejoin.kernel.probes import ProbeConfig, ProbeError
-from tracejoin.pipeline.stages import Pipeline
+from tracejoin.kernel.probes import ProbeError
+from tracejoin.pipeline.stages import RecordSource
 
 log = logging.getLogger("tracejoin.capture")
 
@@ -110,81 +108,52 @@ def _filters(s: Settings) -> str:
     return "; ".join(parts)
 
 
-@contextlib.contextmanager
-def _stop_on_signals(stop: threading.Event, got: list[str]) -> Iterator[None]:
-    """SIGINT/SIGTERM set `stop` and are noted in `got` (every time: a second Ctrl-C does not
-    cut the writing short); the previous handlers come back afterwards. Only the main thread
-    may install handlers; elsewhere the caller stops the capture by its duration."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def handler(signum: int, _frame: object) -> None:
-        got.append(signal.Signals(signum).name)
-        stop.set()
-
-    for sig in previous:
-        signal.signal(sig, handler)
-    try:
-        yield
-    finally:
-        for sig, h in previous.items():
-            signal.signal(sig, h)
-
-
-def _start_sampler(s: Settings, metrics: Metrics, sampler: Any) -> tuple[Any, str]:
-    """(the running GPU sampler or None, how the summary describes the GPU signal)."""
-    if sampler is None:
-        if not s.gpu:
-            return None, "off (--no-gpu)"
-        from tracejoin.enrich.gpu_sampler import GpuSampler
-
-        sampler = GpuSampler(metrics, interval_s=1.0 / s.gpu_sample_hz)
-    status = sampler.start()
-    if not status.available:
-        sampler.shutdown()
-        return None, f"off ({status.reason})"
-    n = len(sampler.histories())
-    return sampler, f"{n} device{'s' if n != 1 else ''} sampled"
-
-
 def run_capture(
     s: Settings,
-    probe_config: ProbeConfig,
     out: TextIO | None = None,
     *,
     gpu_sampler: Any = None,
+    source: RecordSource | None = None,
     on_ready: Callable[[], None] | None = None,
 ) -> int:
-    """Run one capture; returns the exit status (0, or 2 when the probes cannot load).
+    """Run one capture; returns the exit status (0, 1 when files could not be written, 2 when
+    the probes cannot load).
 
-    `gpu_sampler`: an enrich.gpu_sampler.GpuSampler to use instead of opening NVML (tests pass
-    one over agent.nvml_fake.FakeNvml); run_capture starts and shuts it down. `on_ready`: called
-    once the probes are attached, right after the "capturing" line.
+    `gpu_sampler`: a GpuSampler to use instead of opening NVML (tests pass one over an NVML
+    double); `source`: a record source instead of the BPF probes; `on_ready`: called once the
+    probes are attached, right after the "capturing" line.
     """
-    stop = threading.Event()
-    signals: list[str] = []
-    with _stop_on_signals(stop, signals):
-        return _capture(s, probe_config, out or sys.stdout, gpu_sampler, on_ready, stop, signals)
+    with stop_on_signals() as stop:
+        return _capture(s, out or sys.stdout, gpu_sampler, source, on_ready, stop)
 
 
 def _capture(
     s: Settings,
-    probe_config: ProbeConfig,
     out: TextIO,
     gpu_sampler: Any,
+    source: RecordSource | None,
     on_ready: Callable[[], None] | None,
-    stop: threading.Event,
-    signals: list[str],
+    stop: Stop,
 ) -> int:
     con = _Console(out)
     tty = con.tty
     clear = "\r\x1b[2K" if os.environ.get("TERM") != "dumb" else "\r"
     metrics = Metrics()
-    otlp = otlp_destination(s, metrics)  # first: a bad endpoint fails before any file changes
     outdir = s.output_dir
     spans_path = outdir / SPANS_FILE
+    perfetto = PerfettoTraceWriter(outdir / PERFETTO_FILE, time.time_ns(), close_on_shutdown=False)
+    # first: a bad endpoint or setting fails before any file changes
+    destinations = capture_destinations(s, metrics, spans_path, perfetto)
+    summary = Summary()
+    lock = threading.Lock()
+
+    def on_spans(spans: list[Span], _rec: HttpRecord) -> None:
+        with lock:
+            summary.add_span(spans[0])
+
+    agent = build_agent(
+        s, metrics, destinations, source=source, gpu_sampler=gpu_sampler, observers=[on_spans]
+    )
     try:
         outdir.mkdir(parents=True, exist_ok=True)
         for name in CAPTURE_FILES:  # never mix the files of two captures
@@ -193,47 +162,18 @@ def _capture(
     except OSError as exc:  # before the probes load: nothing is lost
         print(f"tracejoin: cannot write the capture to {outdir}: {exc}", file=sys.stderr)
         return 1
-    started_ns = time.time_ns()
 
-    perfetto = PerfettoTraceWriter(outdir / PERFETTO_FILE, started_ns, close_on_shutdown=False)
-    destinations: list[Any] = [
-        file_destination(spans_path, s, metrics),
-        BatchExportQueue(
-            perfetto, metrics, max_queue_spans=s.queue_size, name="perfetto", flush_interval_s=0.5
-        ),
-    ]
-    if otlp is not None:
-        destinations.append(otlp)
-
-    summary = Summary()
-    lock = threading.Lock()
-
-    def on_spans(spans: list[Span], _rec: HttpRecord) -> None:
-        with lock:
-            summary.add_span(spans[0])
-
-    gpu, gpu_text = _start_sampler(s, metrics, gpu_sampler)
-    pipeline = Pipeline(
-        probe_config,
-        builder_factory(s, metrics),
-        destinations,
-        metrics,
-        on_spans=on_spans,
-        gpu=gpu,
-        gpu_hold_s=3.0 / s.gpu_sample_hz,
-    )
     try:
-        pipeline.start()
+        agent.start()
     except ProbeError as exc:
         print(f"tracejoin: {exc}", file=sys.stderr)
-        pipeline.shutdown(1.0)
-        if gpu is not None:
-            gpu.shutdown()
+        agent.shutdown(1.0)
         perfetto.abandon()
         return 2
-    status = pipeline.probes.status
+    status = agent.status
+    gpu = agent.gpu
     notes = [f"{name} {state}" for name, state in status.signals.items() if state != "on"]
-    for note in [*notes, f"GPU: {gpu_text}"]:
+    for note in [*notes, f"GPU: {agent.gpu_text}"]:
         con.line(textwrap.fill(note, 100, initial_indent="note: ", subsequent_indent="  "))
     until = f"for {s.duration:g}s" if s.duration else "until Ctrl-C"
     con.line(
@@ -247,12 +187,12 @@ def _capture(
     elapsed = 0.0
     last_plain = t0
     try:
-        while not stop.is_set():
+        while not stop.event.is_set():
             elapsed = time.monotonic() - t0
             if s.duration is not None and elapsed >= s.duration:
                 break
             try:
-                pipeline.kernel_counters()
+                agent.kernel_counters()
                 if gpu is not None:
                     perfetto.add_gpu_samples(gpu.histories())
             except Exception:  # counted and logged; the capture goes on (principle 5)
@@ -267,20 +207,19 @@ def _capture(
             wait = TTY_REFRESH_S if tty else 0.5
             if s.duration is not None:
                 wait = min(wait, max(0.0, s.duration - elapsed))
-            stop.wait(wait)
+            stop.event.wait(wait)
         elapsed = time.monotonic() - t0
     finally:
         # Runs however the loop ended: the files are the point of a capture.
-        pipeline.shutdown(SHUTDOWN_S)
-        if gpu is not None:
+        agent.shutdown(SHUTDOWN_S)
+        if gpu is not None:  # the histories outlive the sampler
             perfetto.add_gpu_samples(gpu.histories())
-            gpu.shutdown()
         try:
-            perfetto.close({"filters": _filters(s), "gpu": gpu_text})
+            perfetto.close({"filters": _filters(s), "gpu": agent.gpu_text})
         except OSError as exc:  # disk full, directory gone: the rest is still written
             log.error("capture: writing %s failed: %s", perfetto.path, exc)
 
-    stopped_by = signals[0] if signals else "duration" if s.duration is not None else "?"
+    stopped_by = stop.first_signal or ("duration" if s.duration is not None else "?")
     final = (
         f"captured {elapsed:.1f}s (stopped by {stopped_by}): requests "
         f"{int(metrics.get('records_received'))}  spans written "
@@ -297,7 +236,7 @@ def _capture(
         "stopped_by": stopped_by,
         "filters": _filters(s),
         "tlb_mode": status.tlb_mode,
-        "gpu": gpu_text,
+        "gpu": agent.gpu_text,
     }
     with lock:
         text = summary.format()
@@ -315,7 +254,7 @@ def _capture(
     con.line()
     con.line(text)
     con.line()
-    con.line(_files_text(outdir, otlp is not None, s, metrics))
+    con.line(_files_text(outdir, any(d.name == "otlp" for d in destinations), s, metrics))
     for why in failed:  # the summary above is still whole
         print(f"tracejoin: could not write {why}", file=sys.stderr)
     return 1 if failed else 0

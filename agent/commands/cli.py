@@ -5,10 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +95,7 @@ def capture(**params: Any) -> None:
 
     s = Settings.from_params(params)
     _require_root()
-    sys.exit(run_capture(s, probe_config(s)))
+    sys.exit(run_capture(s))
 
 
 # ------------------------------------------------------------------------------- run
@@ -151,7 +148,7 @@ def run(spans_file: Path | None, **params: Any) -> None:
             params[key] = None
     s = Settings.from_params(params)
     _require_root()
-    code = run_daemon(s, probe_config(s), spans_file)
+    code = run_daemon(s, spans_file)
     # Everything is flushed or counted as dropped by now. Skip the interpreter's teardown:
     # destructors it would run (gRPC channels, libbcc objects) take unbounded time and would
     # break the documented exit bound (agent/daemon.py).
@@ -191,23 +188,11 @@ def ebpf(**params: Any) -> None:
 
     s = Settings.from_params(params)
     try:
-        src, flags = HttpProbes(probe_config(s), Metrics(), lambda _b: None).render()
+        src, flags = HttpProbes(probe_config(s), Metrics()).render()
     except ProbeError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"// cflags: {' '.join(flags)}")
     click.echo(src)
-
-
-def install_signal_handlers(stop: threading.Event) -> None:
-    def handler(signum: int, _frame: object) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-
-
-def elapsed_since(t0: float) -> float:
-    return time.monotonic() - t0
 
 
 __all__ = ["ConfigError", "main"]

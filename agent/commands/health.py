@@ -63,8 +63,7 @@ class HealthServer:
     def alive(self) -> bool:
         if self.pipeline is None or not self.loaded or self.stopping:
             return True
-        reader = getattr(self.pipeline, "_reader", None)
-        return reader is None or reader.is_alive()
+        return bool(self.pipeline.alive())
 
     def refresh(self) -> None:
         """Bring the gauges read at scrape time up to date; never fails the scrape."""

@@ -12,34 +12,23 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from types import FrameType
 
 from tracejoin import __version__
-from tracejoin.app import builder_factory, file_destination, otlp_destination, start_gpu_sampler
+from tracejoin.app import Agent, build_agent, run_destinations
 from tracejoin.commands.health import HealthServer
+from tracejoin.commands.signals import Stop, stop_on_signals
 from tracejoin.config import ConfigError, Settings
 from tracejoin.core.metrics import Metrics
-from tracejoin.core.model import AttrValue
 from tracejoin.enrich import traceparent
-from tracejoin.enrich.k8s import (
-    K8sResolver,
-    KubeletClient,
-    expand_node_name,
-    parse_resource_attributes,
-    resource_hook,
-)
 from tracejoin.kernel.decode import KERNEL_COUNTERS
-from tracejoin.kernel.probes import ProbeConfig, ProbeError
-from tracejoin.pipeline.stages import Pipeline
+from tracejoin.kernel.probes import ProbeError
 
 log = logging.getLogger(__name__)
-DEFAULT_SPANS_FILE = Path("tracejoin-spans.otlp.jsonl")
 HARD_EXIT_GRACE_S = 1.0
 EXIT_OK, EXIT_START_FAILED, EXIT_HARD = 0, 2, 3
 
@@ -92,33 +81,6 @@ def declare_metrics(metrics: Metrics, exporters: list[str]) -> None:
             metrics.inc("spans_dropped", 0, exporter=exporter, reason=reason)
 
 
-def build_resource_hook(
-    s: Settings, metrics: Metrics, environ: Mapping[str, str] | None = None
-) -> Callable[[int], dict[str, AttrValue]]:
-    """SpanBuilder's resource_for_pid: container/Kubernetes metadata (agent/k8s.py) over the
-    OTEL_RESOURCE_ATTRIBUTES defaults. Bad values raise ConfigError naming the key."""
-    env = os.environ if environ is None else environ
-    try:
-        env_attrs = parse_resource_attributes(env.get("OTEL_RESOURCE_ATTRIBUTES", ""))
-    except ValueError as exc:
-        raise ConfigError(f"OTEL_RESOURCE_ATTRIBUTES: {exc}") from exc
-    kubelet = None
-    if s.kubelet_url:
-        try:
-            url = expand_node_name(s.kubelet_url, s.node_name)
-        except ValueError as exc:
-            raise ConfigError(f"kubelet_url (--kubelet-url): {exc}") from exc
-        kubelet = KubeletClient(
-            url,
-            token_file=s.kubelet_token_file,
-            ca_file=s.kubelet_ca_file,
-            insecure_tls=s.kubelet_insecure_tls,
-        )
-        log.info("pod metadata from the kubelet at %s", url)
-    resolver = K8sResolver(metrics, node_name=s.node_name, kubelet=kubelet)
-    return resource_hook(resolver, env_attrs)
-
-
 def final_counters(metrics: Metrics) -> dict[str, int]:
     """The loss accounting, summed over labels, as logged when the agent stops."""
     names = (
@@ -158,21 +120,18 @@ def hard_exit(code: int, why: str) -> None:
     os._exit(code)
 
 
-def run_daemon(s: Settings, probe_config: ProbeConfig, spans_file: Path | None) -> int:
+def run_daemon(
+    s: Settings, spans_file: Path | None, environ: Mapping[str, str] | None = None
+) -> int:
     metrics = Metrics()
-    resource_for_pid = build_resource_hook(s, metrics)
-    destinations = []
-    otlp = otlp_destination(s, metrics)
-    if otlp is not None:
-        destinations.append(otlp)
-    if spans_file is not None or otlp is None:
-        destinations.append(file_destination(spans_file or DEFAULT_SPANS_FILE, s, metrics))
+    destinations = run_destinations(s, metrics, spans_file)
     declare_metrics(metrics, [d.name for d in destinations if d.name])
+    agent = build_agent(s, metrics, destinations, environ=environ)
 
     health = None
     if s.metrics_port:
         try:
-            health = HealthServer(s.metrics_address, s.metrics_port, metrics)
+            health = HealthServer(s.metrics_address, s.metrics_port, metrics, agent)
         except OSError as exc:
             raise ConfigError(
                 f"metrics_port (--metrics-port): cannot listen on "
@@ -181,82 +140,63 @@ def run_daemon(s: Settings, probe_config: ProbeConfig, spans_file: Path | None) 
         health.start()
         log.info("health and metrics on %s:%d", s.metrics_address, health.port)
 
-    gpu = start_gpu_sampler(s, metrics)
-    if gpu is None:  # off by configuration or unavailable (the reason is logged)
-        metrics.set("gpu_sampler_running", 0)
-        if not s.gpu:
-            metrics.set("gpu_nvml_available", 0)
-    pipeline = Pipeline(
-        probe_config,
-        builder_factory(s, metrics, resource_for_pid=resource_for_pid),
-        destinations,
-        metrics,
-        gpu=gpu,
-        gpu_hold_s=3.0 / s.gpu_sample_hz,
-    )
-    if health is not None:
-        health.pipeline = pipeline
+    def second_signal(name: str) -> None:
+        hard_exit(EXIT_HARD, f"second {name}: exiting now")
 
-    stop = threading.Event()
-    stop_at: list[float] = []
+    with stop_on_signals(on_repeat=second_signal) as stop:
+        return _run(s, agent, metrics, health, stop)
 
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        if stop.is_set():
-            hard_exit(EXIT_HARD, f"second {signal.Signals(signum).name}: exiting now")
-        stop_at.append(time.monotonic())
-        stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-
+def _run(
+    s: Settings, agent: Agent, metrics: Metrics, health: HealthServer | None, stop: Stop
+) -> int:
     # Compiling takes seconds and a C call cannot be interrupted: start in a thread so a
     # SIGTERM during start-up is still answered within the bound.
     start_error: list[BaseException] = []
 
     def start() -> None:
         try:
-            pipeline.start()
+            agent.start()
         except BaseException as exc:
             start_error.append(exc)
 
     starter = threading.Thread(target=start, name="tracejoin-start", daemon=True)
     starter.start()
-    while starter.is_alive() and not stop.wait(0.1):
+    while starter.is_alive() and not stop.event.wait(0.1):
         pass
 
-    if not stop.is_set():
+    if not stop.event.is_set():
         if start_error:
             err = start_error[0]
             if isinstance(err, ProbeError):
                 log.error("%s", err)
             else:
                 log.error("start-up failed", exc_info=err)
-            pipeline.shutdown(1.0)
-            if gpu is not None:
-                gpu.shutdown()
+            agent.shutdown(1.0)
             if health is not None:
                 health.shutdown()
             return EXIT_START_FAILED
-        status = pipeline.probes.status
+        status = agent.status
         metrics.set("probes_loaded", 1)
         metrics.set("probe_load_seconds", round(status.load_seconds, 3))
         metrics.set("ready", 1)
         if health is not None:
             health.loaded = True
         log.info(
-            "ready: probes loaded in %.1fs; signals %s; TLB %s",
+            "ready: probes loaded in %.1fs; signals %s; TLB %s; GPU %s",
             status.load_seconds,
             status.signals,
             status.tlb_mode,
+            agent.gpu_text,
         )
-        while not stop.wait(1.0):
+        while not stop.event.wait(1.0):
             try:
-                pipeline.kernel_counters()
+                agent.kernel_counters()
             except Exception:
                 log.exception("reading kernel counters failed")
 
     # ---- shutdown: bounded from the signal on
-    t0 = stop_at[0] if stop_at else time.monotonic()
+    t0 = stop.first_at or time.monotonic()
     deadline = t0 + s.shutdown_timeout
     _Watchdog(deadline + HARD_EXIT_GRACE_S)  # lives until the process exits
     if health is not None:
@@ -267,13 +207,9 @@ def run_daemon(s: Settings, probe_config: ProbeConfig, spans_file: Path | None) 
         starter.join(max(0.0, deadline - time.monotonic()))
         if starter.is_alive():
             hard_exit(EXIT_HARD, "still loading probes at the shutdown deadline; exiting now")
-    pipeline.shutdown(max(0.1, deadline - time.monotonic()))
-    log.debug("pipeline stopped at +%.2fs", time.monotonic() - t0)
+    agent.shutdown(max(0.1, deadline - time.monotonic()))
+    log.debug("agent stopped at +%.2fs", time.monotonic() - t0)
     metrics.set("probes_loaded", 0)
-    if gpu is not None:
-        stopper = threading.Thread(target=gpu.shutdown, daemon=True, name="tracejoin-gpu-stop")
-        stopper.start()
-        stopper.join(max(0.1, deadline - time.monotonic()))
     if health is not None:
         health.shutdown()
     counters = " ".join(f"{k}={v}" for k, v in final_counters(metrics).items())
@@ -281,4 +217,4 @@ def run_daemon(s: Settings, probe_config: ProbeConfig, spans_file: Path | None) 
     return EXIT_OK
 
 
-__all__ = ["build_resource_hook", "declare_metrics", "run_daemon"]
+__all__ = ["declare_metrics", "run_daemon"]

@@ -41,6 +41,12 @@ class KernelClock:
             self.refresh()
         return mono_ns + self._offset
 
+    def offset_ns(self) -> int:
+        """Unix epoch ns minus monotonic ns, as of at most `refresh_s` ago."""
+        if time.monotonic_ns() - self._taken_at > self._refresh_ns:
+            self.refresh()
+        return self._offset
+
 
 def trace_context(rec: HttpRecord) -> traceparent.TraceParent | str | None:
     """The request's caller context, a rejection reason, or None when it sent none."""

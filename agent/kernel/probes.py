@@ -11,7 +11,6 @@ import ctypes
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -144,18 +143,17 @@ def _ncpus() -> int:
 
 
 class HttpProbes:
-    """The kernel half of the pipeline. start() compiles and attaches; poll() delivers raw
-    records to `sink`; shutdown() detaches everything (idempotent, safe without start)."""
+    """The kernel half of the pipeline, and the pipeline's record source. start() compiles and
+    attaches; poll() returns the raw records the ring buffer holds; detach() stops every program
+    from firing while the ring buffer stays readable; shutdown() unloads everything (idempotent,
+    safe without start)."""
 
-    def __init__(
-        self, config: ProbeConfig, metrics: Metrics, sink: Callable[[bytes], None]
-    ) -> None:
+    def __init__(self, config: ProbeConfig, metrics: Metrics) -> None:
         self.config = config
         self.metrics = metrics
-        self.sink = sink
         self.status = ProbeStatus()
         self._bpf: object | None = None
-        self._defines: list[str] = []
+        self._batch: list[bytes] = []
 
     # -- build ---------------------------------------------------------------------------
 
@@ -282,11 +280,29 @@ class HttpProbes:
             table[ctypes.c_int(0)] = leaf
 
     def _on_record(self, _ctx: object, data: int, size: int) -> None:
-        self.sink(ctypes.string_at(data, size))
+        self._batch.append(ctypes.string_at(data, size))
 
-    def poll(self, timeout_ms: int = 100) -> None:
-        if self._bpf is not None:
-            self._bpf.ring_buffer_poll(timeout_ms)  # type: ignore[attr-defined]
+    def poll(self, timeout_ms: int = 100) -> list[bytes]:
+        """Wait up to timeout_ms for records (0: take what is there) and return them all."""
+        if self._bpf is None:
+            return []
+        bpf: Any = self._bpf
+        if timeout_ms:
+            bpf.ring_buffer_poll(timeout_ms)
+        else:
+            bpf.ring_buffer_consume()
+        batch, self._batch = self._batch, []
+        return batch
+
+    def detach(self) -> None:
+        """Detach every tracepoint and perf event; the ring buffer keeps what was submitted."""
+        bpf: Any = self._bpf
+        if bpf is None:
+            return
+        for tp in list(bpf.tracepoint_fds):
+            bpf.detach_tracepoint(tp)
+        for ev_type, ev_config in list(bpf.open_perf_events):
+            bpf.detach_perf_event(ev_type, ev_config)
 
     def kernel_counters(self) -> dict[str, int]:
         """Per-CPU kernel counters summed (see CNT_* in bpf/http_record.h)."""

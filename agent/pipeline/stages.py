@@ -1,8 +1,15 @@
-"""Wire the stages together: probes -> decode -> correlate/spans -> exporters.
+"""The stages, in the one direction data flows:
 
-One reader thread polls the ring buffer and builds spans; exporters run behind bounded queues on
-their own threads, so a slow or dead destination never stalls reading from the kernel. Start
-runs source-last; shutdown runs in reverse (stop the source, drain, flush exporters).
+    source.poll() -> decode -> enrich -> GPU hold -> build_spans -> destinations (+ observers)
+
+One reader thread pulls batches of raw records from the record source (the BPF ring buffer, or a
+test's list) and carries each through the stages; each stage hands its result to the next and
+nothing reaches back. Exporters run behind bounded queues on their own threads, so a slow or dead
+destination never stalls reading from the kernel.
+
+Shutdown runs source-first under one deadline: detach the source (nothing new arrives), drain
+what it already queued, release what the GPU hold stage keeps, then flush the destinations in
+parallel with what is left of the deadline.
 """
 
 from __future__ import annotations
@@ -16,14 +23,32 @@ from typing import Protocol
 
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import AttrValue, Span
+from tracejoin.enrich.enricher import EnrichedRecord, Enricher
 from tracejoin.kernel.decode import HttpRecord, RecordDecoder
-from tracejoin.kernel.probes import HttpProbes, ProbeConfig
-from tracejoin.pipeline.spans import SpanBuilder
+from tracejoin.kernel.probes import ProbeStatus
+from tracejoin.pipeline.spans import SpanOptions, build_spans
 
 log = logging.getLogger(__name__)
 
+POLL_MS = 100
+DRAIN_ROUNDS = 64  # bounded: a source that never empties cannot hold shutdown forever
+
+
+class RecordSource(Protocol):
+    """Where raw records come from. HttpProbes is the real one; tests inject their own."""
+
+    status: ProbeStatus
+
+    def start(self) -> None: ...
+    def poll(self, timeout_ms: int) -> list[bytes]: ...
+    def detach(self) -> None: ...
+    def kernel_counters(self) -> dict[str, int]: ...
+    def shutdown(self) -> None: ...
+
 
 class Destination(Protocol):
+    name: str | None
+
     def start(self) -> None: ...
     def submit(self, span: Span) -> bool: ...
     def shutdown(self, timeout_s: float = ...) -> None: ...
@@ -34,56 +59,145 @@ class GpuJoiner(Protocol):
     def covered_until_ns(self) -> int: ...
 
 
-MAX_HELD = 50_000  # spans waiting for GPU samples; beyond it the oldest are joined early
+# Observers see each request's spans after they are handed to the destinations (the capture's
+# summary). They must be quick; an exception is counted, never fatal.
+Observer = Callable[[list[Span], HttpRecord], None]
+
+
+class GpuHold:
+    """NVML samples for a request's last moments arrive up to one sampling interval after it
+    ends: hold each record until the sampler has covered its end (or `hold_s` has passed), then
+    join the GPU window onto it. Bounded: beyond `max_held` the oldest is joined early."""
+
+    def __init__(
+        self, gpu: GpuJoiner, metrics: Metrics, hold_s: float = 1.0, max_held: int = 50_000
+    ) -> None:
+        self.gpu = gpu
+        self.metrics = metrics
+        self.hold_s = hold_s
+        self.max_held = max_held
+        self._held: deque[tuple[float, int, EnrichedRecord]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def push(self, e: EnrichedRecord, now: float | None = None) -> list[EnrichedRecord]:
+        """Hold `e`; returns what must leave now to keep the bound."""
+        now = time.monotonic() if now is None else now
+        out = []
+        if len(self._held) >= self.max_held:
+            self.metrics.inc("gpu_join_early")
+            out.append(self._join(self._held.popleft()[2]))
+        self._held.append((now + self.hold_s, e.epoch_ns(e.end_mono_ns), e))
+        return out
+
+    def release(self, force: bool = False, now: float | None = None) -> list[EnrichedRecord]:
+        """Records whose end the sampler has covered, or whose hold expired (all, if force)."""
+        if not self._held:
+            return []
+        covered = self.gpu.covered_until_ns()
+        now = time.monotonic() if now is None else now
+        out = []
+        while self._held:
+            deadline, end_ns, _ = self._held[0]
+            if not force and end_ns > covered and now < deadline:
+                break
+            out.append(self._join(self._held.popleft()[2]))
+        return out
+
+    def _join(self, e: EnrichedRecord) -> EnrichedRecord:
+        try:
+            e.gpu = self.gpu.join(e.rec.pid, e.epoch_ns(e.start_mono_ns), e.epoch_ns(e.end_mono_ns))
+        except Exception:
+            log.exception("GPU join failed")
+            self.metrics.inc("gpu_join_errors")
+        return e
 
 
 class Pipeline:
+    """Carries records from a started source to the destinations. start() runs the reader
+    thread; shutdown(timeout_s) is idempotent and safe without start."""
+
     def __init__(
         self,
-        probe_config: ProbeConfig,
-        builder_factory: Callable[[str], SpanBuilder],
+        source: RecordSource,
+        enricher: Enricher,
+        span_options: SpanOptions,
         destinations: Sequence[Destination],
         metrics: Metrics,
-        on_spans: Callable[[list[Span], HttpRecord], None] | None = None,
-        gpu: GpuJoiner | None = None,
-        gpu_hold_s: float = 1.0,
+        *,
+        gpu_hold: GpuHold | None = None,
+        observers: Sequence[Observer] = (),
     ) -> None:
+        self.source = source
         self.metrics = metrics
         self.decoder = RecordDecoder(metrics)
-        self.probes = HttpProbes(probe_config, metrics, self._on_raw)
-        self._builder_factory = builder_factory
-        self.builder: SpanBuilder | None = None
+        self.enricher = enricher
+        self.span_options = span_options
         self.destinations = list(destinations)
-        self.on_spans = on_spans
-        # GPU samples for a request's last moments arrive up to one sampling interval after
-        # it ends: hold its spans until the sampler has covered its end (or gpu_hold_s).
-        self.gpu = gpu
-        self.gpu_hold_s = gpu_hold_s
-        self._held: deque[tuple[float, list[Span], HttpRecord]] = deque()
+        self.gpu_hold = gpu_hold
+        self.observers = list(observers)
         self._stop = threading.Event()
         self._paused = threading.Event()
         self._reader: threading.Thread | None = None
-        self.ready = threading.Event()
         self._stopped = False
-        for name, text in (
-            ("records_received", "Records read from the kernel ring buffer."),
-            ("spans_built", "Spans built (server and child spans)."),
-            ("traceparent_rejected", "Requests whose traceparent broke the W3C rules, by reason."),
-            ("requests_unsampled", "Requests whose caller did not sample them (no span)."),
-            ("records_dropped_userspace", "Records read but not turned into spans, by reason."),
-        ):
-            metrics.describe(name, text)
+
+    # -- the stages -----------------------------------------------------------------------
+
+    def process(self, batch: list[bytes]) -> None:
+        """decode -> enrich -> (GPU hold) -> spans -> destinations, for one batch."""
+        if batch:
+            self.metrics.inc("records_received", len(batch))
+        for data in batch:
+            rec = self.decoder.decode(data)
+            if not isinstance(rec, HttpRecord):
+                self.metrics.inc("records_dropped_userspace", reason="undecodable")
+                continue
+            try:
+                e = self.enricher.enrich(rec)
+            except Exception:
+                log.exception("enriching a record failed")
+                self.metrics.inc("records_dropped_userspace", reason="build_error")
+                continue
+            if e is None:
+                continue
+            if self.gpu_hold is None:
+                self._emit(e)
+            else:
+                for ready in self.gpu_hold.push(e):
+                    self._emit(ready)
+        if self.gpu_hold is not None:
+            for ready in self.gpu_hold.release():
+                self._emit(ready)
+
+    def _emit(self, e: EnrichedRecord) -> None:
+        try:
+            spans = build_spans(e, self.span_options, self.enricher.new_id)
+        except Exception:
+            log.exception("building a span failed")
+            self.metrics.inc("records_dropped_userspace", reason="build_error")
+            return
+        self.metrics.inc("spans_built", len(spans))
+        for dest in self.destinations:
+            for span in spans:
+                dest.submit(span)
+        for observe in self.observers:
+            try:
+                observe(spans, e.rec)
+            except Exception:
+                log.exception("a span observer failed")
+                self.metrics.inc("observer_errors")
+
+    # -- the reader -----------------------------------------------------------------------
 
     def start(self) -> None:
-        for dest in self.destinations:
-            dest.start()
-        self.probes.start()
-        self.builder = self._builder_factory(self.probes.status.tlb_mode)
         self._reader = threading.Thread(
             target=self._read_loop, name="tracejoin-reader", daemon=True
         )
         self._reader.start()
-        self.ready.set()
+
+    def reader_alive(self) -> bool:
+        return self._reader is not None and self._reader.is_alive()
 
     def _read_loop(self) -> None:
         while not self._stop.is_set():
@@ -91,81 +205,28 @@ class Pipeline:
                 time.sleep(0.05)
                 continue
             try:
-                self.probes.poll(100)
-                if self._held:
-                    self._release_held()
+                self.process(self.source.poll(POLL_MS))
             except Exception:  # a bug here must not kill the agent: count and go on
-                log.exception("ring buffer poll failed")
+                log.exception("reading the record source failed")
                 self.metrics.inc("reader_errors")
                 time.sleep(0.1)
 
     def pause_reading(self, paused: bool) -> None:
-        """Stop consuming the ring buffer (tests of loss accounting use this)."""
+        """Stop consuming the source (tests of loss accounting use this)."""
         if paused:
             self._paused.set()
         else:
             self._paused.clear()
 
-    def _on_raw(self, data: bytes) -> None:
-        self.metrics.inc("records_received")
-        rec = self.decoder.decode(data)
-        if not isinstance(rec, HttpRecord) or self.builder is None:
-            self.metrics.inc("records_dropped_userspace", reason="undecodable")
-            return
-        try:
-            spans = self.builder.build(rec)
-        except Exception:
-            log.exception("building a span failed")
-            self.metrics.inc("records_dropped_userspace", reason="build_error")
-            return
-        if not spans:
-            return
-        if self.gpu is not None:
-            if len(self._held) >= MAX_HELD:
-                self.metrics.inc("gpu_join_early")
-                self._release_one(*self._held.popleft())
-            self._held.append((time.monotonic() + self.gpu_hold_s, spans, rec))
-            return
-        self._emit(spans, rec)
-
-    def _release_held(self, force: bool = False) -> None:
-        assert self.gpu is not None
-        covered = self.gpu.covered_until_ns()
-        now = time.monotonic()
-        while self._held:
-            deadline, spans, rec = self._held[0]
-            if not force and spans[0].end_ns > covered and now < deadline:
-                break
-            self._held.popleft()
-            self._release_one(deadline, spans, rec)
-
-    def _release_one(self, _deadline: float, spans: list[Span], rec: HttpRecord) -> None:
-        assert self.gpu is not None
-        server = spans[0]
-        try:
-            server.attributes.update(self.gpu.join(rec.pid, server.start_ns, server.end_ns))
-        except Exception:
-            log.exception("GPU join failed")
-            self.metrics.inc("gpu_join_errors")
-        self._emit(spans, rec)
-
-    def _emit(self, spans: list[Span], rec: HttpRecord) -> None:
-        self.metrics.inc("spans_built", len(spans))
-        for dest in self.destinations:
-            for span in spans:
-                dest.submit(span)
-        if self.on_spans is not None:
-            self.on_spans(spans, rec)
-
     def kernel_counters(self) -> dict[str, int]:
-        counters = self.probes.kernel_counters()
+        counters = self.source.kernel_counters()
         for name, value in counters.items():
             self.metrics.set("kernel_" + name, value)
         return counters
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Idempotent. Detach probes first so nothing new arrives, drain what the ring buffer
-        holds, then give exporters what is left of the deadline."""
+        """Idempotent. Detach the source so nothing new arrives, drain what it already queued,
+        release held records, then give the destinations what is left of the deadline."""
         if self._stopped:
             return
         self._stopped = True
@@ -174,21 +235,31 @@ class Pipeline:
         if self._reader is not None:
             self._reader.join(timeout=1.0)
         try:
-            self.probes.poll(0)  # records already in the ring buffer
+            self.source.detach()
+            for _ in range(DRAIN_ROUNDS):
+                batch = self.source.poll(0)
+                if not batch:
+                    break
+                self.process(batch)
             self.kernel_counters()
-            if self._held:
-                self._release_held(force=True)
+            if self.gpu_hold is not None:
+                for e in self.gpu_hold.release(force=True):
+                    self._emit(e)
         except Exception:
             log.exception("final drain failed")
-        self.probes.shutdown()
-        # destinations flush in parallel under one deadline: a hung one cannot starve another
-        stoppers = [
-            threading.Thread(
-                target=d.shutdown, args=(max(0.1, deadline - time.monotonic()),), daemon=True
-            )
-            for d in self.destinations
-        ]
-        for t in stoppers:
-            t.start()
-        for t in stoppers:
-            t.join(max(0.1, deadline - time.monotonic()))
+        self.source.shutdown()
+        flush_in_parallel(self.destinations, deadline)
+
+
+def flush_in_parallel(destinations: Sequence[Destination], deadline: float) -> None:
+    """Shut destinations down in parallel under one deadline: a hung one cannot starve another."""
+    stoppers = [
+        threading.Thread(
+            target=d.shutdown, args=(max(0.1, deadline - time.monotonic()),), daemon=True
+        )
+        for d in destinations
+    ]
+    for t in stoppers:
+        t.start()
+    for t in stoppers:
+        t.join(max(0.1, deadline - time.monotonic()))

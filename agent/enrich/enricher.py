@@ -1,0 +1,95 @@
+"""Decoded record -> enriched record: everything a span needs that the kernel could not know.
+
+The trace context (W3C rules, with the sampling decision), the offset from the kernel's
+monotonic clock to Unix time, the connection's endpoints and the serving process's resource.
+Nothing here builds spans; the span builder is a pure function of what this stage produces.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tracejoin.core.metrics import Metrics
+from tracejoin.core.model import AttrValue, Resource
+from tracejoin.enrich import traceparent
+from tracejoin.enrich.correlate import (
+    ConnectionTable,
+    Endpoints,
+    KernelClock,
+    sampling_decision,
+    trace_context,
+)
+from tracejoin.kernel.decode import HttpRecord
+
+
+@dataclass(slots=True)
+class EnrichedRecord:
+    rec: HttpRecord
+    trace_id: int
+    parent_id: int  # 0: a new root trace
+    trace_flags: int
+    clock_offset_ns: int  # kernel monotonic ns + this = Unix epoch ns
+    resource: Resource
+    endpoints: Endpoints | None = None
+    rejected: str | None = None  # why the traceparent was rejected, if it was
+    gpu: dict[str, AttrValue] = field(default_factory=dict)  # filled by the GPU join
+
+    def epoch_ns(self, mono_ns: int) -> int:
+        return mono_ns + self.clock_offset_ns
+
+    @property
+    def start_mono_ns(self) -> int:
+        rec = self.rec
+        return rec.arrival_ns if 0 < rec.arrival_ns <= rec.read_ns else rec.read_ns
+
+    @property
+    def end_mono_ns(self) -> int:
+        return max(self.rec.end_ns, self.rec.read_ns)
+
+
+class Enricher:
+    def __init__(
+        self,
+        metrics: Metrics,
+        resource_for_pid: Callable[[int], Resource],
+        *,
+        no_parent: str = "root",  # no valid traceparent: "root" (a new trace) or "skip"
+        unsampled: str = "follow",  # caller did not sample: "follow" (no span) or "record"
+    ) -> None:
+        self.metrics = metrics
+        self.resource_for_pid = resource_for_pid
+        self.no_parent = no_parent
+        self.unsampled = unsampled
+        self.clock = KernelClock()
+        self.conns = ConnectionTable()
+        self._rand = random.Random()
+
+    def new_id(self, bits: int) -> int:
+        while True:
+            v = self._rand.getrandbits(bits)
+            if v:
+                return v
+
+    def enrich(self, rec: HttpRecord) -> EnrichedRecord | None:
+        """None when no span is to be made (the caller did not sample, or no parent and
+        --no-parent skip); every rejection is counted by reason."""
+        ctx = trace_context(rec)
+        decision = sampling_decision(ctx, self.metrics, self.no_parent, self.unsampled)
+        if decision == "drop":
+            return None
+        if isinstance(ctx, traceparent.TraceParent):
+            trace_id, parent_id, flags = ctx.trace_id, ctx.parent_id, ctx.flags
+        else:
+            trace_id, parent_id, flags = self.new_id(128), 0, 1
+        return EnrichedRecord(
+            rec=rec,
+            trace_id=trace_id,
+            parent_id=parent_id,
+            trace_flags=flags,
+            clock_offset_ns=self.clock.offset_ns(),
+            resource=self.resource_for_pid(rec.pid),
+            endpoints=self.conns.endpoints(rec),
+            rejected=ctx if isinstance(ctx, str) else None,
+        )

@@ -1,0 +1,254 @@
+"""The pipeline, the GPU hold stage and the composition root without root: a fake record source
+stands where the BPF ring buffer would be (the privileged tests run the real one)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+from records import record
+from tracejoin.app import build_agent
+from tracejoin.config import Settings
+from tracejoin.core.metrics import Metrics
+from tracejoin.core.model import KIND_SERVER, Resource, Span
+from tracejoin.enrich.enricher import Enricher
+from tracejoin.exporters.base import InMemoryExporter
+from tracejoin.exporters.queue import BatchExportQueue
+from tracejoin.kernel.probes import ProbeError, ProbeStatus
+from tracejoin.pipeline.spans import SpanOptions
+from tracejoin.pipeline.stages import GpuHold, Pipeline
+
+SIGNALS = {"recvq": "on", "tcp_stats": "on", "sched": "on", "page_faults": "on"}
+
+
+def traced(i: int) -> tuple[bytes, int]:
+    trace_id = random.getrandbits(128) | 1
+    rec = record(f"00-{trace_id:032x}-{i + 1:016x}-01")
+    return bytes(rec), trace_id
+
+
+class FakeSource:
+    """A record source shaped like HttpProbes: records 'arrive in the kernel' through push();
+    after detach() nothing new arrives, and what was queued can still be polled."""
+
+    def __init__(self, fail_start: bool = False) -> None:
+        self.status = ProbeStatus(signals=dict(SIGNALS), tlb_mode="off", load_seconds=0.01)
+        self.calls: list[str] = []
+        self._queue: list[bytes] = []
+        self._lock = threading.Lock()
+        self.detached = False
+        self.fail_start = fail_start
+        self.lost_after_detach = 0
+
+    def push(self, data: bytes) -> None:
+        with self._lock:
+            if self.detached:
+                self.lost_after_detach += 1
+            else:
+                self._queue.append(data)
+
+    def start(self) -> None:
+        self.calls.append("start")
+        if self.fail_start:
+            raise ProbeError("required tracepoint(s) missing: sock:sock_recv_length")
+
+    def poll(self, timeout_ms: int) -> list[bytes]:
+        with self._lock:
+            batch, self._queue = self._queue, []
+        if not batch and timeout_ms:
+            time.sleep(timeout_ms / 1000 / 10)
+        if timeout_ms == 0:
+            self.calls.append("drain")
+        return batch
+
+    def detach(self) -> None:
+        self.calls.append("detach")
+        with self._lock:
+            self.detached = True
+
+    def kernel_counters(self) -> dict[str, int]:
+        return {"records_submitted": 0}
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+
+
+class RecordingExporter(InMemoryExporter):
+    def __init__(self, order: list[str]) -> None:
+        super().__init__()
+        self.order = order
+
+    def shutdown(self) -> None:
+        self.order.append("destination_shutdown")
+
+
+def resource(_pid: int) -> Resource:
+    return Resource((("service.name", "svc"),))
+
+
+def pipeline_over(
+    source: FakeSource, gpu_hold: GpuHold | None = None
+) -> tuple[Pipeline, InMemoryExporter, Metrics]:
+    metrics = Metrics()
+    memory = RecordingExporter(source.calls)
+    queue = BatchExportQueue(memory, metrics, flush_interval_s=0.02, name="memory")
+    queue.start()
+    pipe = Pipeline(
+        source,
+        Enricher(metrics, resource),
+        SpanOptions.from_status(source.status.signals, "off", 1_000_000),
+        [queue],
+        metrics,
+        gpu_hold=gpu_hold,
+    )
+    return pipe, memory, metrics
+
+
+def test_records_flow_one_way_to_the_destination():
+    source = FakeSource()
+    pipe, memory, metrics = pipeline_over(source)
+    pipe.start()
+    ids = []
+    for i in range(20):
+        data, trace_id = traced(i)
+        source.push(data)
+        ids.append(trace_id)
+    source.push(b"\x07garbage")  # an unknown record type: counted, not fatal
+    deadline = time.monotonic() + 10
+    while len([s for s in memory.spans if s.kind == KIND_SERVER]) < 20:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    pipe.shutdown(2.0)
+    servers = [s for s in memory.spans if s.kind == KIND_SERVER]
+    assert sorted(s.trace_id for s in servers) == sorted(ids)
+    assert metrics.get("records_received") == 21
+    assert metrics.get("decode_errors", reason="unknown_type") == 1
+    assert metrics.get("records_dropped_userspace", reason="undecodable") == 1
+    assert metrics.get("spans_built") == len(memory.spans)
+
+
+def test_shutdown_detaches_before_it_drains_and_loses_nothing_queued():
+    """Records the kernel queued before the detach are exported; the order is detach, drain,
+    close the source, then flush the destinations."""
+    source = FakeSource()
+    pipe, memory, metrics = pipeline_over(source)
+    pipe.start()
+    pipe.pause_reading(True)  # the reader is behind: records pile up in the "ring buffer"
+    ids = []
+    for i in range(50):
+        data, trace_id = traced(i)
+        source.push(data)
+        ids.append(trace_id)
+    pipe.shutdown(2.0)
+    source.push(traced(99)[0])  # after the detach: never arrives
+    assert source.calls[0] == "detach"
+    assert source.calls.index("drain") > source.calls.index("detach")
+    assert source.calls.index("shutdown") > source.calls.index("drain")
+    assert source.calls[-1] == "destination_shutdown"
+    assert sorted(s.trace_id for s in memory.spans if s.kind == KIND_SERVER) == sorted(ids)
+    assert metrics.get("records_received") == 50
+    assert source.lost_after_detach == 1
+    pipe.shutdown(2.0)  # idempotent
+    assert source.calls.count("shutdown") == 1
+
+
+class FakeGpu:
+    def __init__(self) -> None:
+        self.covered = 0
+        self.joined: list[tuple[int, int, int]] = []
+
+    def covered_until_ns(self) -> int:
+        return self.covered
+
+    def join(self, pid: int, start_ns: int, end_ns: int) -> dict[str, float]:
+        self.joined.append((pid, start_ns, end_ns))
+        return {"tracejoin.gpu.kernel_active.ratio.avg": 0.5}
+
+
+def enriched(i: int):
+    e = Enricher(Metrics(), resource).enrich(record(f"00-{i + 1:032x}-{i + 1:016x}-01"))
+    assert e is not None
+    return e
+
+
+def test_gpu_hold_waits_for_the_sampler_to_cover_the_end():
+    gpu = FakeGpu()
+    hold = GpuHold(gpu, Metrics(), hold_s=10.0)
+    e = enriched(0)
+    assert hold.push(e, now=0.0) == []
+    assert hold.release(now=1.0) == []  # not covered, not expired
+    gpu.covered = e.epoch_ns(e.end_mono_ns)  # the sampler has caught up with its end
+    (out,) = hold.release(now=1.0)
+    assert out.gpu == {"tracejoin.gpu.kernel_active.ratio.avg": 0.5}
+    assert gpu.joined == [(1, e.epoch_ns(e.start_mono_ns), e.epoch_ns(e.end_mono_ns))]
+
+
+def test_gpu_hold_expires_bounds_and_forces():
+    gpu = FakeGpu()
+    metrics = Metrics()
+    hold = GpuHold(gpu, metrics, hold_s=1.0, max_held=3)
+    for i in range(3):
+        assert hold.push(enriched(i), now=0.0) == []
+    early = hold.push(enriched(3), now=0.0)  # over the bound: the oldest leaves early
+    assert [x.trace_id for x in early] == [1]
+    assert metrics.get("gpu_join_early") == 1
+    assert len(hold.release(now=2.0)) == 3  # expired
+    hold.push(enriched(4), now=5.0)
+    assert len(hold.release(force=True, now=5.0)) == 1
+    assert len(hold) == 0
+
+
+def test_gpu_window_reaches_the_span_through_the_pipeline():
+    source = FakeSource()
+    gpu = FakeGpu()
+    gpu.covered = 2**62
+    pipe, memory, _ = pipeline_over(source, GpuHold(gpu, Metrics(), hold_s=5.0))
+    pipe.start()
+    data, trace_id = traced(0)
+    source.push(data)
+    deadline = time.monotonic() + 10
+    while not [s for s in memory.spans if s.trace_id == trace_id]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    pipe.shutdown(2.0)
+    (server,) = [s for s in memory.spans if s.kind == KIND_SERVER]
+    assert server.attributes["tracejoin.gpu.kernel_active.ratio.avg"] == 0.5
+
+
+def test_agent_lifecycle_over_an_injected_source():
+    """The composition root with an injected source: start, spans out, one shutdown path."""
+    source = FakeSource()
+    metrics = Metrics()
+    memory = RecordingExporter(source.calls)
+    queue = BatchExportQueue(memory, metrics, flush_interval_s=0.02, name="memory")
+    agent = build_agent(Settings(gpu=False), metrics, [queue], source=source, environ={})
+    seen: list[Span] = []
+    agent.observers.append(lambda spans, _rec: seen.extend(spans))
+    agent.start()
+    assert agent.ready.is_set() and agent.alive()
+    data, trace_id = traced(0)
+    source.push(data)
+    deadline = time.monotonic() + 10
+    while not memory.spans:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    agent.shutdown(2.0)
+    agent.shutdown(2.0)
+    assert [s.trace_id for s in memory.spans if s.kind == KIND_SERVER] == [trace_id]
+    assert [s.trace_id for s in seen if s.kind == KIND_SERVER] == [trace_id]
+    assert memory.spans[0].resource.get("tracejoin.tlb.mode") == "off"
+    assert source.calls == ["start", "detach", "drain", "shutdown", "destination_shutdown"]
+
+
+def test_agent_cleans_up_after_a_failed_start():
+    source = FakeSource(fail_start=True)
+    metrics = Metrics()
+    queue = BatchExportQueue(RecordingExporter(source.calls), metrics, name="memory")
+    agent = build_agent(Settings(gpu=False), metrics, [queue], source=source, environ={})
+    with pytest.raises(ProbeError):
+        agent.start()
+    agent.shutdown(1.0)
+    assert source.calls == ["start", "shutdown", "destination_shutdown"]
+    assert not agent.ready.is_set()
