@@ -71,19 +71,6 @@ class Watched:
             self.prof.disable()
 
 
-def batched_reader(pipeline: Any, every_s: float) -> Callable[[], None]:
-    """The proposed reader loop: drain the ring every `every_s`, never block in epoll."""
-
-    def loop() -> None:
-        bpf = pipeline.probes._bpf
-        while not pipeline._stop.wait(every_s):
-            bpf.ring_buffer_consume()
-            if getattr(pipeline, "_held", None):  # spans waiting for GPU samples
-                pipeline._release_held()
-
-    return loop
-
-
 def run_once(
     port: int,
     rate: float,
@@ -92,10 +79,9 @@ def run_once(
     batch_ms: float = 0,
     sink_port: int | None = None,
 ) -> dict[str, Any]:
-    from tracejoin.app import builder_factory, file_destination, otlp_destination
+    from tracejoin.app import build_agent, file_destination, otlp_destination
     from tracejoin.config import Settings
     from tracejoin.core.metrics import Metrics
-    from tracejoin.kernel.probes import ProbeConfig
     from tracejoin.pipeline.stages import Pipeline
 
     endpoint = f"http://127.0.0.1:{sink_port}" if sink_port else None
@@ -109,15 +95,25 @@ def run_once(
         if endpoint
         else file_destination(tmp / "spans.otlp.jsonl", settings, metrics)
     )
-    pipeline = Pipeline(
-        ProbeConfig(ports=(port,)), builder_factory(settings, metrics), [dest], metrics
-    )
-    loop = batched_reader(pipeline, batch_ms / 1e3) if batch_ms else pipeline._read_loop
-    reader = Watched("reader", loop, profile)
+    agent = build_agent(settings, metrics, [dest])
+    reader = Watched("reader", lambda: None, profile)
     exporter = Watched("exporter", dest._run, profile)
-    pipeline._read_loop = reader  # type: ignore[method-assign]
     dest._run = exporter
-    pipeline.start()
+    plain_loop = Pipeline._read_loop
+
+    def watched_loop(pipeline: Pipeline) -> None:
+        def batched() -> None:  # consume what the ring holds every batch_ms, never block
+            while not pipeline._stop.wait(batch_ms / 1e3):
+                pipeline.process(pipeline.source.poll(0))
+
+        reader.target = batched if batch_ms else lambda: plain_loop(pipeline)
+        reader()
+
+    Pipeline._read_loop = watched_loop  # type: ignore[method-assign]
+    try:
+        agent.start()
+    finally:
+        Pipeline._read_loop = plain_loop  # type: ignore[method-assign]
     reader.started.wait(5)
     exporter.started.wait(5)
     try:
@@ -133,9 +129,9 @@ def run_once(
         records = metrics.total("records_received") - r0
         t1 = {w.name: thread_cpu(w.tid) for w in (reader, exporter)}
         proc1 = sum(m.cpu_seconds(os.getpid()))
-        counters = pipeline.kernel_counters()
+        counters = agent.kernel_counters()
     finally:
-        pipeline.shutdown(5.0)
+        agent.shutdown(5.0)
         for f in tmp.iterdir():
             f.unlink()
         tmp.rmdir()

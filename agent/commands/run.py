@@ -60,6 +60,14 @@ def declare_metrics(metrics: Metrics, exporters: list[str]) -> None:
     metrics.describe("probe_load_seconds", "Seconds compiling and attaching the BPF programs.")
     metrics.describe("ready", "1 while /readyz answers 200.")
     metrics.describe("build_info", "Always 1; the version label is tracejoin's.")
+    for name, text in (
+        ("records_received", "Records read from the kernel ring buffer."),
+        ("spans_built", "Spans built (server and child spans)."),
+        ("traceparent_rejected", "Requests whose traceparent broke the W3C rules, by reason."),
+        ("requests_unsampled", "Requests whose caller did not sample them (no span)."),
+        ("records_dropped_userspace", "Records read but not turned into spans, by reason."),
+    ):
+        metrics.describe(name, text)
     metrics.describe("decode_errors", "Ring-buffer records that could not be decoded, by reason.")
     metrics.describe("reader_errors", "Ring-buffer polls that raised (the reader goes on).")
     metrics.set("build_info", 1, version=__version__)
