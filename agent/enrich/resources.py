@@ -83,8 +83,8 @@ class ProcessFacts:
 
 
 def read_process_facts(pid: int) -> ProcessFacts | None:
-    """psutil's view of pid (one /proc/<pid>/stat read for start time and name, a readlink of
-    exe) plus its cgroup; None when the process is gone. The executable of another user's
+    """psutil's view of pid (/proc/<pid>/stat for start time and name, a readlink of exe)
+    plus its cgroup; None when the process is gone. The executable of another user's
     process needs CAP_SYS_PTRACE: without it, it is None, never the thread name."""
     try:
         proc = psutil.Process(pid)
