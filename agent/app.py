@@ -20,16 +20,9 @@ from typing import Any
 
 from tracejoin.config import ConfigError, Settings
 from tracejoin.core.metrics import Metrics
-from tracejoin.core.model import AttrValue, Resource
-from tracejoin.enrich.correlate import ProcessTable
+from tracejoin.core.model import AttrValue
 from tracejoin.enrich.enricher import Enricher
-from tracejoin.enrich.k8s import (
-    K8sResolver,
-    KubeletClient,
-    expand_node_name,
-    parse_resource_attributes,
-    resource_hook,
-)
+from tracejoin.enrich.resources import ResourceResolver, env_resource_attributes, kubelet_client
 from tracejoin.kernel.probes import OPTIONAL_TRACEPOINTS, HttpProbes, ProbeConfig, ProbeStatus
 from tracejoin.pipeline.spans import SpanOptions
 from tracejoin.pipeline.stages import (
@@ -155,92 +148,6 @@ def open_gpu(s: Settings, metrics: Metrics, sampler: Any = None) -> tuple[Any, s
     return sampler, f"{n} device{'s' if n != 1 else ''} sampled"
 
 
-# ----------------------------------------------------------------------------- resources
-
-
-class ProcessResources:
-    """The per-process resource: service and process names, host, Kubernetes metadata and the
-    OTEL_RESOURCE_ATTRIBUTES defaults, cached per pid."""
-
-    def __init__(
-        self,
-        metrics: Metrics,
-        *,
-        service_name: str | None,
-        static: dict[str, AttrValue],
-        extra: Callable[[int], dict[str, AttrValue]] | None = None,
-    ) -> None:
-        import socket
-
-        self.service_name = service_name
-        self.static = static
-        self.extra = extra  # Kubernetes metadata over the OTEL_RESOURCE_ATTRIBUTES defaults
-        self.procs = ProcessTable()
-        self._host = socket.gethostname()
-        self._cache: dict[int, Resource] = {}
-
-    def start(self) -> None:
-        pass
-
-    def shutdown(self, timeout_s: float = 1.0) -> None:
-        pass
-
-    def resource(self, pid: int) -> Resource:
-        res = self._cache.get(pid)
-        if res is not None:
-            return res
-        proc = self.procs.get(pid)
-        attrs: dict[str, AttrValue] = {
-            "service.name": self.service_name or proc.name,
-            "host.name": self._host,
-            "process.pid": pid,
-            "process.executable.name": proc.executable,
-            "telemetry.sdk.name": "tracejoin",
-            "telemetry.sdk.language": "python",
-            **self.static,
-        }
-        if self.extra is not None:
-            attrs.update(self.extra(pid))
-        if self.service_name:
-            attrs["service.name"] = self.service_name
-        res = Resource(tuple(attrs.items()))
-        if len(self._cache) > 4096:
-            self._cache.clear()
-        self._cache[pid] = res
-        return res
-
-
-def resources_factory(
-    s: Settings, metrics: Metrics, environ: Mapping[str, str] | None = None
-) -> Callable[[dict[str, AttrValue]], ProcessResources]:
-    """Validates what the resource needs now (bad values raise ConfigError naming the key), and
-    returns how to build it once the probes say what the static attributes are."""
-    env = os.environ if environ is None else environ
-    try:
-        env_attrs = parse_resource_attributes(env.get("OTEL_RESOURCE_ATTRIBUTES", ""))
-    except ValueError as exc:
-        raise ConfigError(f"OTEL_RESOURCE_ATTRIBUTES: {exc}") from exc
-    kubelet = None
-    if s.kubelet_url:
-        try:
-            url = expand_node_name(s.kubelet_url, s.node_name)
-        except ValueError as exc:
-            raise ConfigError(f"kubelet_url (--kubelet-url): {exc}") from exc
-        kubelet = KubeletClient(
-            url,
-            token_file=s.kubelet_token_file,
-            ca_file=s.kubelet_ca_file,
-            insecure_tls=s.kubelet_insecure_tls,
-        )
-        log.info("pod metadata from the kubelet at %s", url)
-    hook = resource_hook(K8sResolver(metrics, node_name=s.node_name, kubelet=kubelet), env_attrs)
-
-    def make(static: dict[str, AttrValue]) -> ProcessResources:
-        return ProcessResources(metrics, service_name=s.service_name, static=static, extra=hook)
-
-    return make
-
-
 # ----------------------------------------------------------------------------- the agent
 
 
@@ -255,7 +162,7 @@ class Agent:
         metrics: Metrics,
         source: RecordSource,
         destinations: Sequence[Destination],
-        make_resources: Callable[[dict[str, AttrValue]], ProcessResources],
+        make_resources: Callable[[dict[str, AttrValue]], ResourceResolver],
         *,
         gpu_sampler: Any = None,
         observers: Sequence[Observer] = (),
@@ -269,7 +176,7 @@ class Agent:
         self._given_gpu = gpu_sampler
         self.gpu: Any = None
         self.gpu_text = "off"
-        self.resources: ProcessResources | None = None
+        self.resources: ResourceResolver | None = None
         self.pipeline: Pipeline | None = None
         self.ready = threading.Event()
         self._lock = threading.Lock()
@@ -357,10 +264,21 @@ def build_agent(
     source: RecordSource | None = None,
     gpu_sampler: Any = None,
     observers: Sequence[Observer] = (),
-    environ: Mapping[str, str] | None = None,
 ) -> Agent:
     """Everything that can be checked before the probes load is checked here (ConfigError)."""
-    make_resources = resources_factory(s, metrics, environ)
+    env_resource_attributes()  # a bad OTEL_RESOURCE_ATTRIBUTES fails now, naming it
+    kubelet = kubelet_client(s)
+
+    def make_resources(static: dict[str, AttrValue]) -> ResourceResolver:
+        # built once the probes say what the static attributes are (the TLB mode)
+        return ResourceResolver(
+            metrics,
+            service_name=s.service_name,
+            static=static,
+            kubelet=kubelet,
+            node_name=s.node_name,
+        )
+
     if source is None:
         source = HttpProbes(probe_config(s), metrics)
     return Agent(

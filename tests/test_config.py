@@ -259,15 +259,17 @@ def test_standard_otel_variables() -> None:
     )
 
 
-def test_resource_attributes_and_kubelet_url_are_checked_at_start() -> None:
-    m = Metrics()
-    make = app.resources_factory(
-        Settings(node_name="n1"), m, {"OTEL_RESOURCE_ATTRIBUTES": "k8s.cluster.name=prod"}
-    )
-    attrs = dict(make({}).resource(2**22 + 12345).attributes)  # no such pid
-    assert attrs["k8s.cluster.name"] == "prod"
-    assert attrs["k8s.node.name"] == "n1"
+def test_resource_attributes_and_kubelet_url_are_checked_before_the_probes_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """build_agent refuses bad values naming their key; nothing has been compiled yet."""
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "oops")
     with pytest.raises(ConfigError, match="OTEL_RESOURCE_ATTRIBUTES: expected key=value"):
-        app.resources_factory(Settings(), m, {"OTEL_RESOURCE_ATTRIBUTES": "oops"})
+        app.build_agent(Settings(gpu=False), Metrics(), [])
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "k8s.cluster.name=prod")
     with pytest.raises(ConfigError, match=r"kubelet_url \(--kubelet-url\).*NODE_NAME"):
-        app.resources_factory(Settings(kubelet_url="https://${NODE_NAME}:10250/pods"), m, {})
+        app.build_agent(
+            Settings(gpu=False, kubelet_url="https://${NODE_NAME}:10250/pods"), Metrics(), []
+        )
+    with pytest.raises(ConfigError, match="--disable-tracepoint: sched:nope is not an optional"):
+        app.build_agent(Settings(gpu=False, disable_tracepoint=("sched:nope",)), Metrics(), [])

@@ -4,40 +4,42 @@ service.name derivation; the resource SpanBuilder puts on spans."""
 
 from __future__ import annotations
 
-import json
-import shutil
-import ssl
-import subprocess
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tracejoin.app import ProcessResources
+from kubelet_fake import (
+    CID,
+    CID2,
+    POD_LIST,
+    UID,
+    UID_,
+    FakeKubelet,
+    make_tls_cert,
+    pod,
+    tls_server_context,
+    v2,
+)
 from tracejoin.core.metrics import Metrics
 from tracejoin.enrich import k8s
 from tracejoin.enrich.k8s import (
     CgroupInfo,
-    K8sResolver,
     KubeletClient,
     KubeletError,
+    PodCache,
     PodMeta,
     expand_node_name,
+    lookup,
     parse_cgroup,
     parse_pod_list,
-    parse_resource_attributes,
-    resource_hook,
     workload_attributes,
 )
 
-CID = "3f4e5d6c7b8a99887766554433221100ffeeddccbbaa00112233445566778899"
-CID2 = "aa" * 32
-UID = "7c1e6c5a-0b9e-4d8e-9a51-2f3c4d5e6f70"
-UID_ = UID.replace("-", "_")
 STATIC_UID = "5f0c1e2d3c4b5a69788796a5b4c3d2e1"
+VICTIM_UID = "99999999-8888-7777-6666-555555555555"
+VICTIM_UID_ = VICTIM_UID.replace("-", "_")
 
 # ------------------------------------------------------------------------------- cgroup
 
@@ -49,10 +51,6 @@ def v1(path: str, systemd_path: str | None = None) -> str:
     lines = [f"{12 - i}:{c}:{path}" for i, c in enumerate(V1_CONTROLLERS)]
     lines.append(f"1:name=systemd:{systemd_path or path}")
     return "\n".join(lines) + "\n"
-
-
-def v2(path: str) -> str:
-    return f"0::{path}\n"
 
 
 CGROUP_CASES = [
@@ -104,6 +102,20 @@ CGROUP_CASES = [
             f"cri-containerd-{CID}.scope"
         ),
         CgroupInfo(CID, "containerd", UID),
+    ),
+    (
+        "a nested cgroup cannot claim another pod (the outermost pod and its container win)",
+        v2(
+            f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID_}.slice/"
+            f"cri-containerd-{CID}.scope/kubepods-pod{VICTIM_UID_}.slice/"
+            f"cri-containerd-{CID2}.scope"
+        ),
+        CgroupInfo(CID, "containerd", UID),
+    ),
+    (
+        "Docker inside a pod's container: the container Kubernetes knows",
+        v1(f"/kubepods/burstable/pod{UID}/{CID}/docker/{CID2}"),
+        CgroupInfo(CID, None, UID),
     ),
     (
         "static pod (UID is a manifest hash)",
@@ -187,154 +199,11 @@ def test_read_cgroup_from_a_proc_tree(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------- kubelet
 
 
-def pod(
-    name: str,
-    uid: str,
-    containers: dict[str, str],
-    *,
-    namespace: str = "shop",
-    owner: tuple[str, str] | None = None,
-    labels: dict[str, str] | None = None,
-    annotations: dict[str, str] | None = None,
-    init: dict[str, str] | None = None,
-) -> dict[str, Any]:
-    md: dict[str, Any] = {"name": name, "namespace": namespace, "uid": uid}
-    if owner:
-        md["ownerReferences"] = [
-            {"apiVersion": "v1", "kind": "Whatever", "name": "not-the-controller"},
-            {"apiVersion": "apps/v1", "kind": owner[0], "name": owner[1], "controller": True},
-        ]
-    if labels:
-        md["labels"] = labels
-    if annotations:
-        md["annotations"] = annotations
-    status: dict[str, Any] = {
-        "containerStatuses": [
-            {"name": n, "containerID": f"containerd://{cid}", "ready": True}
-            for n, cid in containers.items()
-        ]
-    }
-    if init:
-        status["initContainerStatuses"] = [
-            {"name": n, "containerID": f"cri-o://{cid}"} for n, cid in init.items()
-        ]
-    return {"metadata": md, "spec": {"nodeName": "node-a"}, "status": status}
-
-
-CHECKOUT = pod(
-    "checkout-7d9f8b6c5d-x2x9q",
-    UID,
-    {"app": CID, "istio-proxy": CID2},
-    owner=("ReplicaSet", "checkout-7d9f8b6c5d"),
-    labels={"pod-template-hash": "7d9f8b6c5d", "app": "checkout"},
-    annotations={
-        "resource.opentelemetry.io/service.version": "1.4.2",
-        "resource.opentelemetry.io/k8s.pod.name": "must-not-win",
-        "unrelated.example/annotation": "x",
-    },
-)
-POD_LIST = {
-    "kind": "PodList",
-    "apiVersion": "v1",
-    "items": [
-        CHECKOUT,
-        pod(
-            "db-0",
-            "11111111-2222-3333-4444-555555555555",
-            {"postgres": "bb" * 32},
-            owner=("StatefulSet", "db"),
-        ),
-        pod(
-            "node-exporter-abcde",
-            "21111111-2222-3333-4444-555555555555",
-            {"exp": "cc" * 32},
-            owner=("DaemonSet", "node-exporter"),
-            namespace="monitoring",
-            init={"setup": "dd" * 32},
-        ),
-        {"metadata": {"name": "broken"}},  # no uid/namespace: skipped
-        "not an object",
-    ],
-}
-
-
-class FakeKubelet:
-    """A real HTTP(S) server answering GET /pods with `self.doc` (or a failure mode)."""
-
-    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
-        self.doc: Any = POD_LIST
-        self.mode = "ok"  # ok | 500 | garbage | slow
-        self.requests: list[dict[str, str]] = []
-        kube = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                kube.requests.append({"path": self.path, **dict(self.headers.items())})
-                if kube.mode == "slow":
-                    time.sleep(1.0)
-                if kube.mode == "500":
-                    body, code = b"boom", 500
-                elif kube.mode == "garbage":
-                    body, code = b"<html>not json</html>", 200
-                else:
-                    body, code = json.dumps(kube.doc).encode(), 200
-                try:
-                    self.send_response(code)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-                except OSError:
-                    pass  # the client gave up (timeout tests)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        if tls is not None:
-            self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
-        self.port = self.httpd.server_address[1]
-        scheme = "https" if tls else "http"
-        self.url = f"{scheme}://127.0.0.1:{self.port}/pods"
-        self.thread = threading.Thread(
-            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture
 def kubelet() -> Iterator[FakeKubelet]:
     k = FakeKubelet()
     yield k
     k.close()
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def proc_tree(root: Path, cgroups: dict[int, str]) -> Path:
-    for pid, text in cgroups.items():
-        (root / str(pid)).mkdir(parents=True, exist_ok=True)
-        (root / str(pid) / "cgroup").write_text(text)
-    return root
-
-
-def containerd(cid: str, uid: str) -> str:
-    uid_ = uid.replace("-", "_")
-    return v2(
-        f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{uid_}.slice/"
-        f"cri-containerd-{cid}.scope"
-    )
 
 
 def test_parse_pod_list_indexes_containers_and_pods() -> None:
@@ -364,89 +233,6 @@ def test_parse_pod_list_indexes_containers_and_pods() -> None:
         parse_pod_list({"kind": "Status"})
 
 
-def test_resolver_reads_pod_metadata_from_the_kubelet(tmp_path: Path, kubelet: FakeKubelet) -> None:
-    metrics = Metrics()
-    procs = proc_tree(tmp_path, {100: containerd(CID, UID), 101: containerd(CID2, UID)})
-    r = K8sResolver(
-        metrics, node_name="node-a", kubelet=KubeletClient(kubelet.url), proc_root=procs
-    )
-    attrs = r(100)
-    assert attrs == {
-        "k8s.node.name": "node-a",
-        "container.id": CID,
-        "container.runtime.name": "containerd",
-        "k8s.pod.uid": UID,
-        "k8s.pod.name": "checkout-7d9f8b6c5d-x2x9q",
-        "k8s.namespace.name": "shop",
-        "k8s.container.name": "app",
-        "k8s.replicaset.name": "checkout-7d9f8b6c5d",
-        "k8s.deployment.name": "checkout",
-        "service.name": "checkout",
-        "service.namespace": "shop",
-        "service.version": "1.4.2",
-    }
-    assert r(101)["k8s.container.name"] == "istio-proxy"
-    assert len(kubelet.requests) == 1  # the second container came from the cached list
-    assert kubelet.requests[0]["path"] == "/pods"
-    assert "Authorization" not in kubelet.requests[0]  # never a token over plain http
-    assert metrics.get("kubelet_refreshes") == 1
-    assert metrics.get("kubelet_pods") == 3
-    assert metrics.get("k8s_resolved", result="pod") == 2
-
-
-def test_resolver_refreshes_on_a_miss_at_most_once_per_interval(
-    tmp_path: Path, kubelet: FakeKubelet
-) -> None:
-    clock = Clock()
-    new_uid, new_cid = "99999999-8888-7777-6666-555555555555", "ee" * 32
-    procs = proc_tree(tmp_path, {100: containerd(CID, UID), 200: containerd(new_cid, new_uid)})
-    r = K8sResolver(Metrics(), kubelet=KubeletClient(kubelet.url), proc_root=procs, clock=clock)
-    assert r(100)["k8s.pod.name"] == "checkout-7d9f8b6c5d-x2x9q"
-    assert len(kubelet.requests) == 1
-    # a pod the list does not have yet: asked again only after the minimum interval
-    assert "k8s.pod.name" not in r(200)
-    assert len(kubelet.requests) == 1
-    kubelet.doc = {"items": [*POD_LIST["items"], pod("new-abc", new_uid, {"web": new_cid})]}
-    clock.t += k8s.MIN_REFRESH_S
-    attrs = r(200)
-    assert len(kubelet.requests) == 2
-    assert (attrs["k8s.pod.name"], attrs["k8s.container.name"], attrs["service.name"]) == (
-        "new-abc",
-        "web",
-        "new-abc",  # no owner: the pod name
-    )
-
-
-@pytest.mark.parametrize(
-    ("mode", "reason"), [("500", "http_500"), ("garbage", "parse"), ("slow", "timeout")]
-)
-def test_kubelet_failures_are_counted_and_never_fatal(
-    tmp_path: Path, kubelet: FakeKubelet, mode: str, reason: str
-) -> None:
-    metrics, clock = Metrics(), Clock()
-    kubelet.mode = mode
-    procs = proc_tree(tmp_path, {100: containerd(CID, UID)})
-    client = KubeletClient(kubelet.url, timeout_s=0.3)
-    r = K8sResolver(metrics, kubelet=client, proc_root=procs, clock=clock)
-    # what the cgroup gives, and nothing invented
-    assert r(100) == {
-        "container.id": CID,
-        "container.runtime.name": "containerd",
-        "k8s.pod.uid": UID,
-    }
-    assert metrics.get("kubelet_errors", reason=reason) == 1
-    assert metrics.get("k8s_resolved", result="container") == 1
-    # backing off: the next miss does not ask again until the backoff has passed
-    n = len(kubelet.requests)
-    clock.t += k8s.MIN_REFRESH_S
-    assert "k8s.pod.name" not in r(100)
-    assert len(kubelet.requests) == n
-    kubelet.mode = "ok"
-    clock.t += k8s.MAX_BACKOFF_S
-    assert r(100)["k8s.pod.name"] == "checkout-7d9f8b6c5d-x2x9q"
-    assert metrics.get("kubelet_errors", reason=reason) == 1
-
-
 def test_kubelet_unreachable_is_a_connect_error(tmp_path: Path) -> None:
     from jaeger import free_port
 
@@ -458,40 +244,15 @@ def test_kubelet_unreachable_is_a_connect_error(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tls_cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    if shutil.which("openssl") is None:
+    cert = make_tls_cert(tmp_path_factory.mktemp("tls"))
+    if cert is None:
         pytest.skip("the kubelet TLS tests need the openssl command (apt-get install openssl)")
-    d = tmp_path_factory.mktemp("tls")
-    cert, key = d / "kubelet.crt", d / "kubelet.key"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
+    return cert
 
 
 @pytest.fixture
 def tls_kubelet(tls_cert: tuple[Path, Path]) -> Iterator[FakeKubelet]:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(*tls_cert)
-    k = FakeKubelet(tls=ctx)
+    k = FakeKubelet(tls=tls_server_context(tls_cert))
     yield k
     k.close()
 
@@ -517,6 +278,159 @@ def test_kubelet_over_https_sends_the_token_and_verifies_the_certificate(
     # unless verification is switched off explicitly
     insecure = KubeletClient(tls_kubelet.url, token_file=token, insecure_tls=True)
     assert CID in insecure.fetch().by_container
+
+
+def test_lookup_adopts_a_container_only_with_its_own_pod_uid() -> None:
+    index = parse_pod_list(POD_LIST)
+    meta, cname, mismatch = lookup(index, CgroupInfo(CID, "containerd", UID))
+    assert (meta and meta.name, cname, mismatch) == ("checkout-7d9f8b6c5d-x2x9q", "app", False)
+    # a cgroup that names the checkout container under another pod's UID: the kubelet's answer
+    # for the container is not adopted, and that pod (unknown here) has no metadata
+    meta, cname, mismatch = lookup(index, CgroupInfo(CID, "containerd", VICTIM_UID))
+    assert (meta, cname, mismatch) == (None, None, True)
+    # ... or, when the cgroup's own pod is known, that pod without a container name
+    db_uid = "11111111-2222-3333-4444-555555555555"
+    meta, cname, mismatch = lookup(index, CgroupInfo(CID, "containerd", db_uid))
+    assert (meta and meta.name, cname, mismatch) == ("db-0", None, True)
+    # a container the cgroup does not place in a pod claims none
+    assert lookup(index, CgroupInfo(CID, "docker", None)) == (None, None, True)
+
+
+@pytest.mark.parametrize("target_scheme", ["http", "https"])
+def test_kubelet_redirect_is_refused_and_the_token_never_follows_it(
+    tmp_path: Path, tls_cert: tuple[Path, Path], tls_kubelet: FakeKubelet, target_scheme: str
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    target = FakeKubelet(tls=tls_server_context(tls_cert) if target_scheme == "https" else None)
+    try:
+        tls_kubelet.mode = "redirect"
+        tls_kubelet.location = target.url
+        client = KubeletClient(tls_kubelet.url, token_file=token, ca_file=tls_cert[0])
+        with pytest.raises(KubeletError) as err:
+            client.fetch()
+        assert err.value.reason == "redirect"
+        assert tls_kubelet.requests[-1]["Authorization"] == "Bearer s3cret-token"
+        assert target.requests == []  # not followed: the token went to the kubelet only
+    finally:
+        target.close()
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize(
+    "body",
+    [DEEP, b'{"items": ' + DEEP + b"}", b'{"items": 5}', b"[1, 2]", b'"PodList"', b"\xff\xfe"],
+    ids=["deep-array", "deep-items", "items-not-a-list", "not-an-object", "string", "not-utf8"],
+)
+def test_garbage_pod_lists_are_parse_errors(kubelet: FakeKubelet, body: bytes) -> None:
+    kubelet.mode, kubelet.body = "body", body
+    with pytest.raises(KubeletError) as err:
+        KubeletClient(kubelet.url).fetch()
+    assert err.value.reason == "parse"
+
+
+def test_pod_list_items_of_the_wrong_types_are_skipped_and_counted() -> None:
+    ok = pod("web-0", UID, {"web": CID})
+    doc = {
+        "items": [
+            {"metadata": {"uid": 5, "name": [], "namespace": {}}},
+            {"metadata": "x"},
+            7,
+            {**ok, "status": {"containerStatuses": 5, "initContainerStatuses": "abc"}},
+            {
+                "metadata": {"uid": VICTIM_UID, "name": "b", "namespace": "n", "labels": []},
+                "status": {"containerStatuses": [5, {"name": 3, "containerID": []}]},
+            },
+        ]
+    }
+    index = parse_pod_list(doc)
+    assert index.invalid == 3
+    assert set(index.by_uid) == {UID, VICTIM_UID}
+    assert index.by_container == {}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_pod_cache_counts_a_garbage_answer_and_backs_off(kubelet: FakeKubelet) -> None:
+    metrics, clock = Metrics(), Clock()
+    kubelet.mode, kubelet.body = "body", DEEP
+    cache = PodCache(KubeletClient(kubelet.url), metrics, clock=clock)
+    cache.want(CID)
+    assert cache.poll() == 2 * k8s.MIN_REFRESH_S  # the first backoff
+    assert metrics.get("kubelet_errors", reason="parse") == 1
+    assert len(kubelet.requests) == 1
+    # lookups keep wanting the container: not one more request until the backoff has passed
+    for _ in range(100):
+        cache.want(CID)
+        cache.want(CID2)
+        cache.poll()
+    assert len(kubelet.requests) == 1
+    assert cache.snapshot[0] == 0  # nothing adopted
+    clock.t += 2 * k8s.MIN_REFRESH_S
+    cache.poll()  # fails again: the backoff doubles
+    assert len(kubelet.requests) == 2
+    clock.t += 2 * k8s.MIN_REFRESH_S
+    cache.poll()
+    assert len(kubelet.requests) == 2
+    kubelet.mode = "ok"
+    clock.t += 2 * k8s.MIN_REFRESH_S
+    cache.poll()
+    assert len(kubelet.requests) == 3
+    generation, index = cache.snapshot
+    assert generation == 1 and CID in index.by_container
+    assert metrics.get("kubelet_errors", reason="parse") == 2
+    assert metrics.get("kubelet_pods_invalid") == 2  # POD_LIST's two malformed items
+
+
+def test_pod_cache_asks_again_for_a_missing_container_with_a_backoff(
+    kubelet: FakeKubelet,
+) -> None:
+    clock = Clock()
+    cache = PodCache(KubeletClient(kubelet.url), Metrics(), clock=clock)
+    missing = "ee" * 32
+    cache.want(missing)
+    cache.poll()
+    assert len(kubelet.requests) == 1
+    # still not listed: wanting it again does not ask before min_refresh_s * 2
+    clock.t += k8s.MIN_REFRESH_S
+    cache.want(missing)
+    cache.poll()
+    assert len(kubelet.requests) == 1
+    clock.t += k8s.MIN_REFRESH_S
+    cache.want(missing)
+    cache.poll()
+    assert len(kubelet.requests) == 2
+    # nothing wanted: only the resync reads the list again
+    clock.t += k8s.MAX_BACKOFF_S
+    cache.poll()
+    assert len(kubelet.requests) == 2
+    clock.t += k8s.RESYNC_S
+    cache.poll()
+    assert len(kubelet.requests) == 3
+
+
+def test_pod_cache_thread_refreshes_in_the_background(kubelet: FakeKubelet) -> None:
+    cache = PodCache(KubeletClient(kubelet.url), Metrics())
+    cache.shutdown()  # safe without start
+    cache = PodCache(KubeletClient(kubelet.url), Metrics())
+    cache.start()
+    try:
+        cache.want(CID)
+        deadline = time.monotonic() + 30
+        while cache.snapshot[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert CID in cache.snapshot[1].by_container
+    finally:
+        cache.shutdown()
+        cache.shutdown()  # idempotent
 
 
 # ------------------------------------------------------------------------------- service.name
@@ -619,45 +533,6 @@ def test_service_name_from_the_workload(
     assert workload_attributes(m, node) == expected
 
 
-def test_span_resource_carries_k8s_metadata_and_the_flag_wins(
-    tmp_path: Path, kubelet: FakeKubelet
-) -> None:
-    pid = 99_999_999  # no such process: the process name is "pid-99999999"
-    procs = proc_tree(tmp_path, {pid: containerd(CID, UID), pid - 1: v2("/user.slice")})
-    resolver = K8sResolver(
-        Metrics(), node_name="node-a", kubelet=KubeletClient(kubelet.url), proc_root=procs
-    )
-    hook = resource_hook(resolver, {"k8s.cluster.name": "prod", "k8s.pod.name": "agent-pod"})
-    res = ProcessResources(Metrics(), service_name=None, static={}, extra=hook).resource(pid)
-    assert res.get("service.name") == "checkout"
-    assert res.get("k8s.pod.name") == "checkout-7d9f8b6c5d-x2x9q"  # not the env default
-    assert res.get("k8s.cluster.name") == "prod"  # env default fills in
-    assert res.get("process.pid") == pid
-    host = ProcessResources(Metrics(), service_name=None, static={}, extra=hook).resource(pid - 1)
-    assert host.get("service.name") == f"pid-{pid - 1}"  # not in a container: process name
-    assert host.get("k8s.node.name") == "node-a"
-    assert host.get("container.id") is None
-    overridden = ProcessResources(Metrics(), service_name="edge", static={}, extra=hook)
-    assert overridden.resource(pid).get("service.name") == "edge"
-
-
-def test_cgroup_cache_is_bounded_and_expires(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(k8s, "MAX_PIDS", 8)
-    clock = Clock()
-    procs = proc_tree(tmp_path, {p: containerd(CID, UID) for p in range(1, 21)})
-    r = K8sResolver(Metrics(), proc_root=procs, clock=clock)
-    for p in range(1, 21):
-        assert r.cgroup(p) == CgroupInfo(CID, "containerd", UID)
-    assert len(r._cgroups) == 8
-    # pid 20 is reused by a host process: seen once the entry expires
-    (procs / "20" / "cgroup").write_text(v2("/system.slice/cron.service"))
-    assert r.cgroup(20) is not None
-    clock.t += k8s.CGROUP_TTL_S
-    assert r.cgroup(20) is None
-
-
 # ------------------------------------------------------------------------------- settings
 
 
@@ -667,12 +542,3 @@ def test_expand_node_name() -> None:
     assert expand_node_name("https://10.0.0.1:10250/pods", None) == "https://10.0.0.1:10250/pods"
     with pytest.raises(ValueError, match="NODE_NAME"):
         expand_node_name("https://$NODE_NAME:10250/pods", None)
-
-
-def test_parse_resource_attributes() -> None:
-    assert parse_resource_attributes(" k8s.cluster.name = prod ,team=a%2Cb,, ") == {
-        "k8s.cluster.name": "prod",
-        "team": "a,b",
-    }
-    with pytest.raises(ValueError, match="key=value"):
-        parse_resource_attributes("novalue")

@@ -223,7 +223,7 @@ def test_agent_lifecycle_over_an_injected_source():
     metrics = Metrics()
     memory = RecordingExporter(source.calls)
     queue = BatchExportQueue(memory, metrics, flush_interval_s=0.02, name="memory")
-    agent = build_agent(Settings(gpu=False), metrics, [queue], source=source, environ={})
+    agent = build_agent(Settings(gpu=False), metrics, [queue], source=source)
     seen: list[Span] = []
     agent.observers.append(lambda spans, _rec: seen.extend(spans))
     agent.start()
@@ -246,7 +246,7 @@ def test_agent_cleans_up_after_a_failed_start():
     source = FakeSource(fail_start=True)
     metrics = Metrics()
     queue = BatchExportQueue(RecordingExporter(source.calls), metrics, name="memory")
-    agent = build_agent(Settings(gpu=False), metrics, [queue], source=source, environ={})
+    agent = build_agent(Settings(gpu=False), metrics, [queue], source=source)
     with pytest.raises(ProbeError):
         agent.start()
     agent.shutdown(1.0)

@@ -90,12 +90,12 @@ def test_error_status():
 
 
 def test_service_name_override_and_resource():
-    from tracejoin import app
-    from tracejoin.config import Settings
+    from tracejoin.enrich.resources import ResourceResolver
 
     m = Metrics()
-    make = app.resources_factory(Settings(service_name="checkout"), m, {})
-    resources = make({"tracejoin.tlb.mode": "off"})
+    resources = ResourceResolver(
+        m, service_name="checkout", static={}, kubelet=None, node_name=None
+    )
     enricher = Enricher(m, resources.resource)
     e = enricher.enrich(record(None))
     assert e is not None

@@ -15,7 +15,6 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping
 from pathlib import Path
 
 from tracejoin import __version__
@@ -128,13 +127,11 @@ def hard_exit(code: int, why: str) -> None:
     os._exit(code)
 
 
-def run_daemon(
-    s: Settings, spans_file: Path | None, environ: Mapping[str, str] | None = None
-) -> int:
+def run_daemon(s: Settings, spans_file: Path | None) -> int:
     metrics = Metrics()
     destinations = run_destinations(s, metrics, spans_file)
     declare_metrics(metrics, [d.name for d in destinations if d.name])
-    agent = build_agent(s, metrics, destinations, environ=environ)
+    agent = build_agent(s, metrics, destinations)
 
     health = None
     if s.metrics_port:

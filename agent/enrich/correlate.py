@@ -1,5 +1,5 @@
 """Join a decoded record to the world outside the kernel: wall-clock time, the caller's trace
-context, the connection's addresses and the serving process.
+context and the connection's addresses (the serving process's resource: enrich/resources.py).
 
 Everything here is cached per pid / connection so the per-request cost stays in microseconds.
 """
@@ -148,48 +148,6 @@ def _proc_addr(field: str, family: int) -> tuple[str, int]:
     # /proc/net/tcp prints each 32-bit word in host (little-endian) order.
     raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return _addr(family, raw), int(port_hex, 16)
-
-
-@dataclass(frozen=True, slots=True)
-class ProcessInfo:
-    pid: int
-    name: str  # comm
-    executable: str  # basename of /proc/pid/exe, or comm
-    command_line: str
-
-
-class ProcessTable:
-    """Process names for the resource, cached per pid (pids can be reused: the cache is
-    bounded and entries expire)."""
-
-    def __init__(self, ttl_s: float = 30.0, max_entries: int = 4096) -> None:
-        self._ttl = ttl_s
-        self._max = max_entries
-        self._cache: dict[int, tuple[float, ProcessInfo]] = {}
-
-    def get(self, pid: int) -> ProcessInfo:
-        now = time.monotonic()
-        hit = self._cache.get(pid)
-        if hit and now - hit[0] < self._ttl:
-            return hit[1]
-        info = read_process(pid)
-        if len(self._cache) >= self._max:
-            self._cache.clear()
-        self._cache[pid] = (now, info)
-        return info
-
-
-def read_process(pid: int) -> ProcessInfo:
-    try:
-        with open(f"/proc/{pid}/comm") as fh:
-            comm = fh.read().strip()
-    except OSError:
-        comm = f"pid-{pid}"
-    try:
-        exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
-    except OSError:
-        exe = comm
-    return ProcessInfo(pid, comm, exe, "")
 
 
 def sampling_decision(

@@ -9,10 +9,13 @@ Where each value comes from:
   - k8s.node.name: --node-name / NODE_NAME (the downward API's spec.nodeName).
 Never from the served process's environment: it can hold secrets.
 
-The kubelet is asked on a miss only (a container or pod not in the last list), at most once per
-MIN_REFRESH_S, with a timeout of KUBELET_TIMEOUT_S, and after a failure not again until a
-backoff (up to MAX_BACKOFF_S) has passed. Failures are counted (kubelet_errors{reason}) and
-never fatal: the resource then carries what the cgroup gives.
+The kubelet is asked from a background thread (PodCache), never from the thread that reads the
+ring buffer: when a pod's container is not in the last list (at most once per MIN_REFRESH_S, a
+container still missing after that backs off on its own), and every RESYNC_S. Each request has
+a timeout of KUBELET_TIMEOUT_S; after a failure it is not asked again until a backoff (up to
+MAX_BACKOFF_S) has passed. Failures are counted (kubelet_errors{reason}) and never fatal: the
+resource then carries what the cgroup gives. Its answer is adopted for a container only when
+the pod UID it names is the one in the container's cgroup path.
 """
 
 from __future__ import annotations
@@ -27,8 +30,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,7 @@ SA_CA_FILE = SA_DIR / "ca.crt"
 KUBELET_TIMEOUT_S = 2.0
 MIN_REFRESH_S = 2.0
 MAX_BACKOFF_S = 60.0
+RESYNC_S = 300.0  # pod annotations and owners can change without a new container
 MAX_POD_LIST_BYTES = 64 << 20
 CGROUP_TTL_S = 60.0  # a pid can be reused by another process
 MAX_PIDS = 4096
@@ -82,10 +85,23 @@ class CgroupInfo:
 def parse_cgroup_path(path: str) -> CgroupInfo | None:
     """Container id, runtime and pod UID from one cgroup path; None without a container id.
 
-    Paths seen from another cgroup namespace start with "/../.."; only components matter.
+    A pod's identity comes from the outermost `pod<uid>` component and the first container
+    component at or below it: a process can create cgroups only beneath its own, so whatever it
+    nests there (a fake `pod<uid>.slice`, another container's id) comes later and never names
+    its pod or container. Outside pods the innermost container wins (a kind node is a Docker
+    container). Paths seen from another cgroup namespace start with "/../.."; only components
+    matter.
     """
     parts = [p for p in path.split("/") if p and p != ".."]
-    for i in range(len(parts) - 1, -1, -1):
+    pod_uid, first = None, 0
+    for i, comp in enumerate(parts):
+        # containerd's v1 systemd form puts the pod and the container in one component
+        pm = _POD.search(comp.split(":", 1)[0])
+        if pm:
+            pod_uid, first = pm.group(1).replace("_", "-"), i
+            break
+    order = range(first, len(parts)) if pod_uid else range(len(parts) - 1, -1, -1)
+    for i in order:
         comp = parts[i]
         if _NOT_A_CONTAINER.match(comp):
             return None
@@ -95,13 +111,6 @@ def parse_cgroup_path(path: str) -> CgroupInfo | None:
                 continue
             if runtime is None and i > 0 and parts[i - 1] == "docker":
                 runtime = "docker"  # /docker/<id>: Docker's cgroupfs driver
-            pod_uid = None
-            head = comp[: m.start()].rstrip(":")  # the systemd ":cri-containerd:" form
-            for cand in ([head] if head else []) + parts[:i][::-1]:
-                pm = _POD.search(cand)
-                if pm:
-                    pod_uid = pm.group(1).replace("_", "-")
-                    break
             return CgroupInfo(m.group(1), runtime, pod_uid)
     return None
 
@@ -150,6 +159,23 @@ class PodMeta:
 class PodIndex:
     by_container: dict[str, tuple[PodMeta, str]] = field(default_factory=dict)
     by_uid: dict[str, PodMeta] = field(default_factory=dict)
+    invalid: int = 0  # items skipped as malformed
+
+
+def lookup(index: PodIndex, info: CgroupInfo) -> tuple[PodMeta | None, str | None, bool]:
+    """(pod, container name, uid mismatch) for a container the cgroup names. The kubelet's
+    answer for the container id is adopted only when it names the cgroup's own pod UID, so a
+    cgroup path can never claim another pod's metadata; otherwise the pod is looked up by the
+    cgroup's UID (then without a container name)."""
+    hit = index.by_container.get(info.container_id)
+    mismatch = False
+    if hit is not None:
+        if hit[0].uid == info.pod_uid:
+            return hit[0], hit[1], False
+        mismatch = True
+    if info.pod_uid is not None:
+        return index.by_uid.get(info.pod_uid), None, mismatch
+    return None, None, mismatch
 
 
 _RUNTIME_PREFIX = re.compile(r"^[a-z0-9.+-]+://")
@@ -171,22 +197,26 @@ def _dict(v: Any) -> dict[str, Any]:
     return v if isinstance(v, dict) else {}
 
 
+def _list(v: Any) -> list[Any]:
+    return v if isinstance(v, list) else []
+
+
 def _str(v: Any) -> str | None:
     return v if isinstance(v, str) and v else None
 
 
 def parse_pod_list(doc: Any) -> PodIndex:
     """The kubelet's /pods answer (a v1 PodList) -> pods by container id and by UID.
-    Malformed items are skipped; a document that is not a PodList raises ValueError."""
+    Every value's type is checked: malformed items are skipped and counted (`invalid`), a
+    malformed field is ignored; a document that is not a PodList raises ValueError."""
     if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
         raise ValueError("not a PodList (no 'items' list)")
     index = PodIndex()
     for item in doc["items"]:
-        if not isinstance(item, dict):
-            continue
-        md = _dict(item.get("metadata"))
+        md = _dict(item.get("metadata")) if isinstance(item, dict) else {}
         uid, name, ns = _str(md.get("uid")), _str(md.get("name")), _str(md.get("namespace"))
-        if not (uid and name and ns):
+        if not (isinstance(item, dict) and uid and name and ns):
+            index.invalid += 1
             continue
         labels = _dict(md.get("labels"))
         annotations = _dict(md.get("annotations"))
@@ -212,7 +242,7 @@ def parse_pod_list(doc: Any) -> PodIndex:
         index.by_uid[uid] = meta
         status = _dict(item.get("status"))
         for key in ("containerStatuses", "initContainerStatuses", "ephemeralContainerStatuses"):
-            for cs in status.get(key) or []:
+            for cs in _list(status.get(key)):
                 if not isinstance(cs, dict):
                     continue
                 cname, cid = _str(cs.get("name")), _str(cs.get("containerID"))
@@ -262,9 +292,18 @@ class KubeletError(Exception):
         self.reason = reason
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """urllib follows redirects with every header of the request, Authorization included, to
+    whatever host the Location names: the kubelet's pod list never redirects, so refuse."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None  # urllib then raises HTTPError with the 3xx code
+
+
 class KubeletClient:
     """GET the kubelet's pod list (stdlib urllib). The bearer token is read at each request
-    (projected tokens rotate) and sent over https only."""
+    (projected tokens rotate) and sent over https only, to the configured URL only: redirects
+    are refused."""
 
     def __init__(
         self,
@@ -293,6 +332,9 @@ class KubeletClient:
                 )
                 ctx = ssl.create_default_context(cafile=str(ca) if ca else None)
             self._ssl = ctx
+        self._opener = urllib.request.build_opener(
+            urllib.request.HTTPSHandler(context=self._ssl), _NoRedirect()
+        )
         self._token_warned = False
 
     def _token(self) -> str | None:
@@ -312,9 +354,15 @@ class KubeletClient:
         if token:
             req.add_header("Authorization", f"Bearer {token}")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s, context=self._ssl) as resp:
+            with self._opener.open(req, timeout=self.timeout_s) as resp:
                 body = resp.read(MAX_POD_LIST_BYTES + 1)
         except urllib.error.HTTPError as exc:
+            if 300 <= exc.code < 400:
+                raise KubeletError(
+                    "redirect",
+                    f"{self.url}: HTTP {exc.code} redirect to {exc.headers.get('Location')!r} "
+                    "not followed (the token never follows a redirect)",
+                ) from exc
             raise KubeletError(f"http_{exc.code}", f"{self.url}: HTTP {exc.code}") from exc
         except urllib.error.URLError as exc:
             r = exc.reason
@@ -333,91 +381,111 @@ class KubeletClient:
             raise KubeletError("parse", f"{self.url}: pod list over {MAX_POD_LIST_BYTES} bytes")
         try:
             return parse_pod_list(json.loads(body))
-        except ValueError as exc:
-            raise KubeletError("parse", f"{self.url}: {exc}") from exc
+        except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
+            raise KubeletError("parse", f"{self.url}: {type(exc).__name__}: {exc}") from exc
 
 
-# ------------------------------------------------------------------------------- resolver
+# ------------------------------------------------------------------------------- pod cache
 
 
-class K8sResolver:
-    """pid -> container/Kubernetes resource attributes; SpanBuilder's `resource_for_pid` hook.
+class PodCache:
+    """The kubelet's pod list, kept fresh by a background thread, the way the OpenTelemetry
+    Collector's k8sattributes processor keeps its pod informer: readers take `snapshot`
+    (generation, index) without a lock and never wait for the kubelet.
 
-    Thread-safe. cgroup results are cached per pid (bounded, expiring); the pod list is
-    replaced wholesale at each refresh, so memory stays bounded by the node's pods.
+    `want(container_id)` (from any thread; O(1), no I/O) asks for a refresh because a pod's
+    container is not in the list. The thread then fetches, at most once per `min_refresh_s`;
+    a container still missing from the answer is not a reason to ask again for
+    `min_refresh_s * 2**misses` (up to `max_backoff_s`). After a failed request, nothing is
+    asked until the backoff has passed, whatever `want` is called with. Every `resync_s` the
+    list is read again anyway (annotations and owners change without a new container).
     """
 
     def __init__(
         self,
+        client: KubeletClient,
         metrics: Metrics,
         *,
-        node_name: str | None = None,
-        kubelet: KubeletClient | None = None,
-        proc_root: Path = Path("/proc"),
-        clock: Callable[[], float] = time.monotonic,
         min_refresh_s: float = MIN_REFRESH_S,
         max_backoff_s: float = MAX_BACKOFF_S,
+        resync_s: float = RESYNC_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.client = client
         self.metrics = metrics
-        self.node_name = node_name
-        self.kubelet = kubelet
-        self.proc_root = proc_root
-        self._clock = clock
         self._min_refresh_s = min_refresh_s
         self._max_backoff_s = max_backoff_s
-        self._lock = threading.Lock()
-        self._cgroups: OrderedDict[int, tuple[float, CgroupInfo | None]] = OrderedDict()
-        self._index = PodIndex()
-        self._next_refresh = 0.0
+        self._resync_s = resync_s
+        self._clock = clock
+        # replaced whole by the refresher; a reference read is atomic, so readers need no lock
+        self.snapshot: tuple[int, PodIndex] = (0, PodIndex())
+        self._lock = threading.Lock()  # guards _wanted and _misses only; never held across I/O
+        self._wanted: set[str] = set()
+        self._misses: dict[str, tuple[int, float]] = {}  # container id -> (misses, not before)
+        self._next_fetch = 0.0  # the minimum interval, or the backoff after a failure
+        self._resync_at: float | None = None  # after the first list
         self._failures = 0
-        metrics.describe(
-            "k8s_resolved",
-            "Served processes looked up, by what was found: pod (kubelet metadata), "
-            "container (cgroup only), host (not in a container).",
-        )
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         metrics.describe("kubelet_refreshes", "Pod lists read from the kubelet.")
         metrics.describe("kubelet_errors", "Kubelet pod-list requests that failed, by reason.")
         metrics.describe("kubelet_pods", "Pods in the last pod list read from the kubelet.")
-        for result in ("pod", "container", "host"):
-            metrics.inc("k8s_resolved", 0, result=result)
-        if kubelet is not None:
-            metrics.inc("kubelet_refreshes", 0)
+        metrics.describe(
+            "kubelet_pods_invalid",
+            "Pod-list items skipped as malformed (not an object, or no uid, name or namespace).",
+        )
+        metrics.inc("kubelet_refreshes", 0)
+        metrics.inc("kubelet_pods_invalid", 0)
 
-    def cgroup(self, pid: int) -> CgroupInfo | None:
-        now = self._clock()
-        with self._lock:
-            hit = self._cgroups.get(pid)
-            if hit is not None and now - hit[0] < CGROUP_TTL_S:
-                return hit[1]
-        info = read_cgroup(pid, self.proc_root)
-        with self._lock:
-            self._cgroups[pid] = (now, info)
-            self._cgroups.move_to_end(pid)
-            while len(self._cgroups) > MAX_PIDS:
-                self._cgroups.popitem(last=False)
-        return info
-
-    def _lookup(self, info: CgroupInfo) -> tuple[PodMeta | None, str | None]:
-        hit = self._index.by_container.get(info.container_id)
-        if hit is not None:
-            return hit
-        if info.pod_uid is not None:
-            return self._index.by_uid.get(info.pod_uid), None
-        return None, None
-
-    def _refresh(self) -> None:
-        """Ask the kubelet again unless asked too recently or backing off after failures."""
-        assert self.kubelet is not None
-        now = self._clock()
-        if now < self._next_refresh:
+    def start(self) -> None:
+        if self._thread is not None or self._stop.is_set():
             return
+        self._thread = threading.Thread(target=self._run, name="tracejoin-kubelet", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 1.0) -> None:
+        """Stop the refresher; idempotent, safe without start. A request in flight is not
+        waited for beyond `timeout_s` (the thread is a daemon and ends with its timeout)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def want(self, container_id: str) -> None:
+        now = self._clock()
+        with self._lock:
+            miss = self._misses.get(container_id)
+            if container_id in self._wanted or (miss is not None and now < miss[1]):
+                return
+            if len(self._wanted) >= MAX_PIDS:
+                return  # a burst of new containers: the next list answers the ones asked
+            self._wanted.add(container_id)
+        self._wake.set()
+
+    def poll(self) -> float:
+        """One step of the refresher: read the list if something is wanted or the resync is
+        due, and neither the minimum interval nor a backoff forbids it. Returns the seconds
+        until the next step can have work. Blocks on the kubelet: the refresher thread's (and
+        tests') to call, never a reader's."""
+        now = self._clock()
+        with self._lock:
+            due = bool(self._wanted) or (self._resync_at is not None and now >= self._resync_at)
+        if not due:
+            return self._resync_s if self._resync_at is None else self._resync_at - now
+        if now < self._next_fetch:
+            return self._next_fetch - now
+        with self._lock:
+            asked, self._wanted = self._wanted, set()
         try:
-            index = self.kubelet.fetch()
+            index = self.client.fetch()
         except KubeletError as exc:
             self._failures += 1
             backoff = min(self._max_backoff_s, self._min_refresh_s * 2**self._failures)
-            self._next_refresh = self._clock() + backoff
+            self._next_fetch = self._clock() + backoff
             self.metrics.inc("kubelet_errors", reason=exc.reason)
+            with self._lock:
+                self._wanted |= asked  # still wanted: asked for after the backoff
             if self._failures == 1 or self._failures % 10 == 0:
                 log.warning(
                     "kubelet pod list failed (%s; %d in a row), retrying in %.0fs: "
@@ -426,47 +494,38 @@ class K8sResolver:
                     self._failures,
                     backoff,
                 )
-            return
+            return backoff
         if self._failures:
             log.info("kubelet pod list read again after %d failures", self._failures)
         self._failures = 0
-        self._next_refresh = self._clock() + self._min_refresh_s
-        self._index = index
+        now = self._clock()
+        self._next_fetch = now + self._min_refresh_s
+        self._resync_at = now + self._resync_s
+        self.snapshot = (self.snapshot[0] + 1, index)
         self.metrics.inc("kubelet_refreshes")
         self.metrics.set("kubelet_pods", len(index.by_uid))
+        if index.invalid:
+            self.metrics.inc("kubelet_pods_invalid", index.invalid)
+        with self._lock:
+            for cid in asked:
+                if cid in index.by_container:
+                    self._misses.pop(cid, None)
+                    continue
+                n = self._misses.get(cid, (0, 0.0))[0] + 1
+                self._misses[cid] = (n, now + min(self._max_backoff_s, self._min_refresh_s * 2**n))
+            if len(self._misses) > MAX_PIDS:
+                self._misses = {c: m for c, m in self._misses.items() if now < m[1]}
+        return self._min_refresh_s
 
-    def __call__(self, pid: int) -> dict[str, AttrValue]:
-        attrs: dict[str, AttrValue] = {}
-        if self.node_name:
-            attrs["k8s.node.name"] = self.node_name
-        info = self.cgroup(pid)
-        if info is None:
-            self.metrics.inc("k8s_resolved", result="host")
-            return attrs
-        attrs["container.id"] = info.container_id
-        if info.runtime:
-            attrs["container.runtime.name"] = info.runtime
-        if info.pod_uid:
-            attrs["k8s.pod.uid"] = info.pod_uid
-        meta, cname = None, None
-        if self.kubelet is not None:
-            with self._lock:  # one refresh at a time; others wait for its answer
-                meta, cname = self._lookup(info)
-                # only a pod's container is worth asking the kubelet about again
-                if info.pod_uid is not None and (meta is None or cname is None):
-                    self._refresh()
-                    meta, cname = self._lookup(info)
-        if meta is None:
-            self.metrics.inc("k8s_resolved", result="container")
-            return attrs
-        attrs["k8s.pod.uid"] = meta.uid
-        attrs["k8s.pod.name"] = meta.name
-        attrs["k8s.namespace.name"] = meta.namespace
-        if cname:
-            attrs["k8s.container.name"] = cname
-        attrs.update(workload_attributes(meta, self.node_name))
-        self.metrics.inc("k8s_resolved", result="pod")
-        return attrs
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()  # before poll: a want() during the fetch wakes the next wait
+            try:
+                delay = self.poll()
+            except Exception:  # never lose the refresher to a bug; the cgroup attributes remain
+                log.exception("kubelet refresher failed")
+                delay = self._max_backoff_s
+            self._wake.wait(max(0.0, delay))
 
 
 # ------------------------------------------------------------------------------- settings
@@ -483,49 +542,3 @@ def expand_node_name(url: str, node_name: str | None) -> str:
     if not node_name:
         raise ValueError("refers to NODE_NAME, but no node name is set (--node-name / NODE_NAME)")
     return _NODE_REF.sub(node_name, url)
-
-
-def parse_resource_attributes(text: str) -> dict[str, str]:
-    """OTEL_RESOURCE_ATTRIBUTES: "k=v,k2=v2", percent-decoded (W3C Baggage octets)."""
-    out: dict[str, str] = {}
-    for item in text.split(","):
-        if not item.strip():
-            continue
-        key, sep, value = item.partition("=")
-        key, value = urllib.parse.unquote(key.strip()), urllib.parse.unquote(value.strip())
-        if not sep or not key:
-            raise ValueError(f"expected key=value, got {item.strip()!r}")
-        out[key] = value
-    return out
-
-
-# Keys SpanBuilder always sets from the process: environment defaults never replace them.
-_PER_PROCESS = frozenset(
-    {
-        "service.name",
-        "host.name",
-        "process.pid",
-        "process.executable.name",
-        "telemetry.sdk.name",
-        "telemetry.sdk.language",
-        "tracejoin.tlb.mode",
-    }
-)
-
-
-def resource_hook(
-    resolver: Callable[[int], Mapping[str, AttrValue]] | None,
-    env_attributes: Mapping[str, str] | None = None,
-) -> Callable[[int], dict[str, AttrValue]]:
-    """SpanBuilder's `resource_for_pid`: OTEL_RESOURCE_ATTRIBUTES as defaults (never over a
-    value detected for the process, so an agent pod's own k8s.pod.name cannot mislabel the
-    pods it observes), then what `resolver` finds for the pid."""
-    defaults = {k: v for k, v in (env_attributes or {}).items() if k not in _PER_PROCESS}
-
-    def hook(pid: int) -> dict[str, AttrValue]:
-        attrs: dict[str, AttrValue] = dict(defaults)
-        if resolver is not None:
-            attrs.update(resolver(pid))
-        return attrs
-
-    return hook
