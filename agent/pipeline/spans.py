@@ -22,6 +22,7 @@ from tracejoin.core.model import (
     Resource,
     Span,
 )
+from tracejoin.core.text import OTHER_METHOD, http_method, url_path
 from tracejoin.enrich import traceparent
 from tracejoin.enrich.correlate import (
     ConnectionTable,
@@ -132,8 +133,8 @@ class SpanBuilder:
         to_epoch = self.clock.to_epoch_ns
         start_mono = rec.arrival_ns if 0 < rec.arrival_ns <= rec.read_ns else rec.read_ns
         end_mono = max(rec.end_ns, rec.read_ns)
-        method = rec.method_str()
-        path = rec.path_bytes().decode("utf-8", "replace")
+        method, method_original = http_method(rec.method_bytes())
+        path = url_path(rec.path_bytes())
         attrs: dict[str, AttrValue] = {
             "http.request.method": method,
             "url.path": path,
@@ -145,6 +146,8 @@ class SpanBuilder:
             "tracejoin.connection.id": rec.conn_id,
             "tracejoin.connection.request_seq": rec.seq,
         }
+        if method_original is not None:
+            attrs["http.request.method_original"] = method_original
         if rec.status:
             attrs["http.response.status_code"] = rec.status
         ep = self.conns.endpoints(rec)
@@ -199,7 +202,7 @@ class SpanBuilder:
             trace_id=trace_id,
             span_id=span_id,
             parent_span_id=parent_id,
-            name=f"{method} {route_of(path)}",
+            name=f"{'HTTP' if method == OTHER_METHOD else method} {route_of(path)}",
             kind=KIND_SERVER,
             start_ns=start_ns,
             end_ns=end_ns,
