@@ -36,9 +36,14 @@ _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _CONTROLS = r"\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069"
 _UNSAFE = re.compile(rf"[{_CONTROLS}\ud800-\udfff]")
 
-# In a path: the space too (< 0x21), the controls, the bytes that were not valid UTF-8 (decoded
-# by surrogateescape to U+DC80-U+DCFF), and a `%` that does not start a %XX escape.
-_PATH_ESCAPE = re.compile(rf"[\x20{_CONTROLS}\udc80-\udcff]|%(?![0-9A-Fa-f]{{2}})")
+# In a path: the space too (< 0x21), the controls, and the bytes that were not valid UTF-8
+# (decoded by surrogateescape to U+DC80-U+DCFF). Then a `%` that does not start a %XX escape.
+_PATH_CONTROL = re.compile(rf"[\x20{_CONTROLS}\udc80-\udcff]")
+_LONE_PERCENT = re.compile(r"%(?![0-9A-Fa-f]{2})")
+_PRINTABLE_ASCII = bytes(range(0x21, 0x7F))
+
+
+_KNOWN = {m.encode(): (m, None) for m in KNOWN_METHODS}
 
 
 def http_method(raw: bytes) -> tuple[str, str | None]:
@@ -47,12 +52,11 @@ def http_method(raw: bytes) -> tuple[str, str | None]:
     A known method is itself, with no original. Anything else is `_OTHER`; the original is kept
     only when it is a token of at most METHOD_ORIGINAL_MAX characters, so it can never carry a
     control byte, a space or non-ASCII text into an attribute."""
-    if raw.isascii():
-        method = raw.decode("ascii")
-        if method in KNOWN_METHODS:
-            return method, None
-        if len(raw) <= METHOD_ORIGINAL_MAX and _TOKEN.fullmatch(raw):
-            return OTHER_METHOD, method
+    known = _KNOWN.get(raw)
+    if known is not None:
+        return known
+    if len(raw) <= METHOD_ORIGINAL_MAX and _TOKEN.fullmatch(raw):
+        return OTHER_METHOD, raw.decode("ascii")
     return OTHER_METHOD, None
 
 
@@ -73,7 +77,12 @@ def url_path(raw: bytes) -> str:
     `/100%25`, as RFC 3986 and `requests` do). So every `%` in the result starts an escape, and
     percent-decoding the result gives exactly what percent-decoding the wire bytes gives: a raw
     ESC on the wire and a `%1B` on the wire are the same path to a server, and the same here."""
-    return _PATH_ESCAPE.sub(_percent, raw.decode("utf-8", "surrogateescape"))
+    if raw.translate(None, _PRINTABLE_ASCII):  # at C speed: usually printable ASCII only
+        path = _PATH_CONTROL.sub(_percent, raw.decode("utf-8", "surrogateescape"))
+    else:
+        path = raw.decode("ascii")
+    # Last, so the escapes added above (all valid) are left alone.
+    return _LONE_PERCENT.sub("%25", path) if "%" in path else path
 
 
 def _escape(m: re.Match[str]) -> str:
@@ -85,4 +94,6 @@ def terminal_safe(s: str) -> str:
     """`s` with every unsafe character (see _UNSAFE) written as a visible escape: `\\x1b` for
     C0 and DEL, `\\u009b` for C1 and the rest. Tab and newline are escaped too: a line printed
     stays one line. Other text, backslashes included, is unchanged (for reading, not parsing)."""
+    if s.isprintable():  # the common case, at C speed: no control, separator or surrogate
+        return s
     return _UNSAFE.sub(_escape, s)
