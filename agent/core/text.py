@@ -74,9 +74,10 @@ def url_path(raw: bytes) -> str:
     one (`/a%20b`) comes back unchanged: no double encoding. Percent-encoded (%XX, uppercase):
     bytes < 0x21, 0x7f, every byte of an invalid UTF-8 sequence, the UTF-8 bytes of a C1 control,
     bidi control or line separator, and a `%` not followed by two hex digits (`/100%` ->
-    `/100%25`, as RFC 3986 and `requests` do). So every `%` in the result starts an escape, and
-    percent-decoding the result gives exactly what percent-decoding the wire bytes gives: a raw
-    ESC on the wire and a `%1B` on the wire are the same path to a server, and the same here."""
+    `/100%25`: RFC 3986 writes a literal `%` as `%25`). So every `%` in the result starts an
+    escape, and percent-decoding the result gives exactly what percent-decoding the wire bytes
+    gives (a `%` that starts no escape decoding to itself): a raw ESC on the wire and a `%1B` on
+    the wire are the same path to a server, and the same here."""
     if raw.translate(None, _PRINTABLE_ASCII):  # at C speed: usually printable ASCII only
         path = _PATH_CONTROL.sub(_percent, raw.decode("utf-8", "surrogateescape"))
     else:
