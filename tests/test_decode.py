@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from tracejoin.core.metrics import Metrics
-from tracejoin.kernel.decode import REC_HTTP, HttpRecord, RecordDecoder
+from tracejoin.kernel.decode import HTTP_METHOD_MAX, REC_HTTP, HttpRecord, RecordDecoder
 from tracejoin.kernel.probes import bpf_source_dir
 
 FIELDS = [name for name, _ in HttpRecord._fields_]
@@ -83,5 +83,19 @@ def test_decoder_never_raises(data):
     if rec is not None:
         assert isinstance(rec, HttpRecord)
         rec.method_str()
+        assert len(rec.method_bytes()) <= HTTP_METHOD_MAX
         rec.path_bytes()
         rec.traceparent_bytes()
+
+
+def test_method_and_path_bytes_keep_nul_and_control_bytes() -> None:
+    # ctypes c_char fields stop at NUL; the span builder must judge the bytes as sent.
+    rec = HttpRecord()
+    base = ctypes.addressof(rec)
+    ctypes.memmove(base + HttpRecord.method.offset, b"DE\x00\x1bc", 5)
+    ctypes.memmove(base + HttpRecord.path.offset, b"/a\x00\x1b", 4)
+    rec.method_len, rec.path_len = 5, 4
+    assert rec.method_bytes() == b"DE\x00\x1bc"
+    assert rec.path_bytes() == b"/a\x00\x1b"
+    rec.method_len = 200  # a corrupt length is bounded by the field
+    assert len(rec.method_bytes()) == HTTP_METHOD_MAX

@@ -39,6 +39,7 @@ from tracejoin.commands.summary import (
 from tracejoin.config import Settings
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import Span
+from tracejoin.core.text import terminal_safe
 from tracejoin.exporters.perfetto import PerfettoTraceWriter
 from tracejoin.kernel.decode import HttpRecord
 from tracejoin.kernel.probes import ProbeError
@@ -64,7 +65,7 @@ def _lost(m: Metrics) -> int:
 
 def _status_line(m: Metrics, elapsed: float, duration: float | None) -> str:
     left = f"  {max(0.0, duration - elapsed):.0f}s left" if duration else ""
-    return (
+    return terminal_safe(  # numbers only today; escaped so that stays true if text is added
         f"requests {int(m.get('records_received'))}  "
         f"spans written {int(m.get('spans_exported', exporter='file'))}  "
         f"lost {_lost(m)}  elapsed {elapsed:.0f}s{left}"

@@ -169,11 +169,13 @@ def report(path: Path) -> None:
     PATH is a capture directory (or any file in it), or an OTLP/JSON spans file: one
     ExportTraceServiceRequest per line, or one whole document."""
     from tracejoin.commands.summary import load_report
+    from tracejoin.core.text import terminal_safe
 
     try:
         summary = load_report(path)
     except (OSError, ValueError, KeyError) as exc:
-        raise click.ClickException(f"cannot read {path}: {exc}") from exc
+        # the message may quote the file's content: escaped like the summary
+        raise click.ClickException(terminal_safe(f"cannot read {path}: {exc}")) from exc
     click.echo(summary.format())
 
 

@@ -4,6 +4,10 @@ saved OTLP-JSON file exactly as `capture` printed it.
 
 Memory per request is a few floats (per-endpoint arrays), not the span: a capture that runs for
 hours still summarises in bounded space per request. Every line fits in WIDTH columns.
+
+The text goes to root's terminal (and summary.txt is meant to be `cat`-ed), while span names come
+from any HTTP client and a report may read files from anywhere: every line is passed through
+terminal_safe, and names are escaped before they are measured for the table.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tracejoin.core.model import KIND_SERVER, STATUS_ERROR, Span
+from tracejoin.core.text import terminal_safe
 
 WIDTH = 100
 NAME = 20  # endpoint column; longer names get a line of their own
@@ -188,7 +193,7 @@ class Summary:
             lines.extend(self._slowest())
         lines.append("")
         lines.extend(self._losses())
-        return "\n".join(_fit(line) for line in lines)
+        return "\n".join(_fit(terminal_safe(line)) for line in lines)
 
     def _header(self) -> list[str]:
         i = self.info
@@ -224,7 +229,8 @@ class Summary:
         sub = " " * (NAME + 29) + f"{'p50/p99':>{CELL}}" * len(COMPONENTS)
         out = [head, sub, "-" * len(head)]
         order = sorted(self.endpoints.items(), key=lambda kv: (-kv[1].count, kv[0]))
-        for name, ep in order:
+        for raw_name, ep in order:
+            name = terminal_safe(raw_name)
             durs = sorted(ep.durations_ms)
             nums = (
                 f"{ep.count:>6}{ep.errors:>5}"
@@ -258,7 +264,8 @@ class Summary:
         out = [f"Slowest {len(slow)} requests (open the trace id in Jaeger):"]
         for s in slow:
             status = str(s.status) if s.status else "-"
-            out.append(f"  {_ms(s.duration_ns / 1e6):>9} ms  {status:>3}  {s.trace_id}  {s.name}")
+            name = terminal_safe(s.name)
+            out.append(f"  {_ms(s.duration_ns / 1e6):>9} ms  {status:>3}  {s.trace_id}  {name}")
         return out
 
     def _losses(self) -> list[str]:

@@ -96,6 +96,11 @@ class HttpRecord(ctypes.Structure):
     def method_str(self) -> str:
         return bytes(self.method[: self.method_len]).decode("ascii", "replace")
 
+    def method_bytes(self) -> bytes:
+        # As path_bytes: the bytes as sent, a NUL included (core.text.http_method judges them).
+        raw = ctypes.string_at(ctypes.addressof(self) + HttpRecord.method.offset, HTTP_METHOD_MAX)
+        return raw[: min(self.method_len, HTTP_METHOD_MAX)]
+
     def path_bytes(self) -> bytes:
         # ctypes c_char arrays stop at NUL; the length field is the truth.
         raw = ctypes.string_at(ctypes.addressof(self) + HttpRecord.path.offset, HTTP_PATH_MAX)

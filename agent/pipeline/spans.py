@@ -23,6 +23,7 @@ from tracejoin.core.model import (
     AttrValue,
     Span,
 )
+from tracejoin.core.text import OTHER_METHOD, http_method, url_path
 from tracejoin.enrich.enricher import EnrichedRecord
 from tracejoin.kernel.decode import (
     REQF_FIRST_ON_CONN,
@@ -73,8 +74,9 @@ class SpanOptions:
 def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], int]) -> list[Span]:
     rec = e.rec
     on: Collection[str] = opts.signals
-    method = rec.method_str()
-    path = rec.path_bytes().decode("utf-8", "replace")
+    # hostile bytes stay inert: an unknown method is _OTHER, the path percent-encoded
+    method, method_original = http_method(rec.method_bytes())
+    path = url_path(rec.path_bytes())
     attrs: dict[str, AttrValue] = {
         "http.request.method": method,
         "url.path": path,
@@ -86,6 +88,8 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
         "tracejoin.connection.id": rec.conn_id,
         "tracejoin.connection.request_seq": rec.seq,
     }
+    if method_original is not None:
+        attrs["http.request.method_original"] = method_original
     if rec.status:
         attrs["http.response.status_code"] = rec.status
     ep = e.endpoints
@@ -141,7 +145,7 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
         trace_id=e.trace_id,
         span_id=new_id(64),
         parent_span_id=e.parent_id,
-        name=f"{method} {route_of(path)}",
+        name=f"{'HTTP' if method == OTHER_METHOD else method} {route_of(path)}",
         kind=KIND_SERVER,
         start_ns=e.epoch_ns(e.start_mono_ns),
         end_ns=e.epoch_ns(e.end_mono_ns),
