@@ -1,6 +1,7 @@
-/* The C <-> Python contract for HTTP request records. agent/decode.py mirrors this struct with
- * ctypes and tests/test_decode.py checks size and every offset against the compiled layout, so
- * change both together. All padding is explicit; no field relies on compiler packing.
+/* The C <-> Python contract for the HTTP probes: the record layout and every constant both
+ * sides use. agent/core/record.py mirrors it with ctypes; tests/test_decode.py compiles this
+ * header and checks the struct's size, every offset and every #define below against the mirror,
+ * so change both together. All padding is explicit; no field relies on compiler packing.
  */
 #ifndef TRACEJOIN_HTTP_RECORD_H
 #define TRACEJOIN_HTTP_RECORD_H
@@ -23,6 +24,17 @@
 #define REQF_FIRST_ON_CONN 0x0080 /* first request seen on this connection: accept wait valid */
 #define REQF_TLB_HW        0x0100 /* tlb_* are hardware dTLB/iTLB load misses */
 #define REQF_RESP_TRUNC    0x0200 /* a later request or close cut the response short */
+
+/* Limits user space and the docs reason about (sizes of the kernel's maps and windows). */
+#define HDR_WINDOW 4096       /* request bytes scanned for headers, request line included */
+#define MAX_PENDING 8         /* requests tracked at once on one connection (pipelining) */
+#define LRU_ENTRIES 16384     /* entries of each per-connection / per-thread LRU map */
+#define RINGBUF_PAGES 256     /* ring buffer size in 4 KiB pages (1 MiB) */
+
+/* Indices of the `progs` prog_array: user space loads each scanner into its slot. */
+#define PROG_SCAN_REQ 0
+#define PROG_SCAN_RESP 1
+#define PROG_COUNT 2
 
 struct runq_wait {
     __u64 start_ns;
@@ -74,13 +86,14 @@ struct http_record {
     struct runq_wait runq[RUNQ_SLOTS];
 };
 
-/* Per-CPU counters in the `counters` array map, by index. */
-#define CNT_RECORDS_SUBMITTED 0 /* records the kernel tried to emit */
-#define CNT_RINGBUF_FULL      1 /* ... of which the ring buffer had no room for */
-#define CNT_SLOTS_FULL        2 /* requests not tracked: too many pipelined on one connection */
-#define CNT_NON_HTTP          3 /* first reads on a connection that were not HTTP/1.x */
-#define CNT_REQ_STATE_LOST    4 /* request state evicted from the LRU before its response */
-#define CNT_READ_NO_COPY      5 /* bpf_probe_read_user failed on a request buffer */
-#define CNT_MAX               8
+/* Per-CPU counters in the `counters` array map, by index. User space exports CNT_FOO as
+ * `kernel_foo` (the name is the macro's suffix, lowercased; tests/test_decode.py checks it). */
+#define CNT_RECORDS_SUBMITTED    0 /* records the kernel tried to emit */
+#define CNT_RINGBUF_FULL         1 /* ... of which the ring buffer had no room for */
+#define CNT_PIPELINE_SLOTS_FULL  2 /* requests not tracked: too many pipelined on one connection */
+#define CNT_NON_HTTP_CONNECTIONS 3 /* first reads on a connection that were not HTTP/1.x */
+#define CNT_REQUEST_STATE_LOST   4 /* request state evicted from the LRU before its response */
+#define CNT_READ_COPY_FAILED     5 /* bpf_probe_read_user failed on a request buffer */
+#define CNT_MAX                  8 /* size of the map: indices in use are below it */
 
 #endif

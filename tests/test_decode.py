@@ -1,8 +1,10 @@
-"""The ctypes mirror matches bpf/http_record.h byte for byte, and the decoder counts bad input."""
+"""The C <-> Python contract: the ctypes mirror and every constant in tracejoin.core.record match
+bpf/http_record.h as the C compiler sees it, and the decoder counts bad input."""
 
 from __future__ import annotations
 
 import ctypes
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -10,16 +12,21 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from tracejoin.core import record
 from tracejoin.core.metrics import Metrics
 from tracejoin.kernel.decode import HTTP_METHOD_MAX, REC_HTTP, HttpRecord, RecordDecoder
 from tracejoin.kernel.probes import bpf_source_dir
 
 FIELDS = [name for name, _ in HttpRecord._fields_]
+HEADER = bpf_source_dir() / "http_record.h"
+# every object-like macro with a value (the include guard has none)
+CONSTANTS = re.findall(r"^#define[ \t]+([A-Z][A-Z0-9_]*)[ \t]+\S", HEADER.read_text(), re.M)
 
 
 @pytest.fixture(scope="module")
-def c_layout(tmp_path_factory) -> dict[str, int]:
-    """sizeof and offsetof of every field, as the C compiler lays out the contract header."""
+def c_contract(tmp_path_factory) -> dict[str, int]:
+    """sizeof and offsetof of every field and the value of every #define, as the C compiler
+    evaluates the contract header."""
     if shutil.which("cc") is None:
         pytest.skip("no C compiler (cc) to compile the layout probe")
     d = tmp_path_factory.mktemp("layout")
@@ -33,6 +40,7 @@ def c_layout(tmp_path_factory) -> dict[str, int]:
         'printf("sizeof %zu\\n", sizeof(struct http_record));',
     ]
     lines += [f'printf("{f} %zu\\n", offsetof(struct http_record, {f}));' for f in FIELDS]
+    lines += [f'printf("{c} %lld\\n", (long long)({c}));' for c in CONSTANTS]
     lines += ["return 0; }"]
     src.write_text("\n".join(lines))
     exe = d / "layout"
@@ -41,10 +49,31 @@ def c_layout(tmp_path_factory) -> dict[str, int]:
     return {k: int(v) for k, v in (line.split() for line in out.splitlines())}
 
 
-def test_size_and_every_offset_match_c(c_layout):
-    assert ctypes.sizeof(HttpRecord) == c_layout["sizeof"]
+def test_size_and_every_offset_match_c(c_contract):
+    assert ctypes.sizeof(HttpRecord) == c_contract["sizeof"]
     for name in FIELDS:
-        assert getattr(HttpRecord, name).offset == c_layout[name], name
+        assert getattr(HttpRecord, name).offset == c_contract[name], name
+
+
+def test_every_header_constant_has_the_same_value_in_python(c_contract):
+    assert {"REC_HTTP", "REQF_TUPLE", "CNT_MAX", "PROG_SCAN_RESP"} <= set(CONSTANTS)
+    for name in CONSTANTS:
+        assert hasattr(record, name), f"{name} is in http_record.h but not in core/record.py"
+        assert getattr(record, name) == c_contract[name], name
+
+
+def test_python_defines_no_constant_the_header_lacks():
+    """Defined once: an upper-case int in core/record.py must come from the header."""
+    ours = {k for k, v in vars(record).items() if k.isupper() and isinstance(v, int)}
+    assert ours == set(CONSTANTS)
+
+
+def test_kernel_counter_names_follow_the_cnt_macros():
+    """CNT_FOO is exported as kernel_foo: one name per index, each with help text."""
+    cnt = {n: getattr(record, n) for n in CONSTANTS if n.startswith("CNT_") and n != "CNT_MAX"}
+    assert {v: n.removeprefix("CNT_").lower() for n, v in cnt.items()} == record.KERNEL_COUNTERS
+    assert all(i < record.CNT_MAX for i in record.KERNEL_COUNTERS)
+    assert set(record.KERNEL_COUNTER_HELP) == set(record.KERNEL_COUNTERS.values())
 
 
 def test_padding_is_explicit():

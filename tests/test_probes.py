@@ -2,34 +2,36 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from tracejoin.core.metrics import Metrics
 from tracejoin.kernel import probes
 from tracejoin.kernel.probes import HttpProbes, ProbeConfig, ProbeError
 
 
-def _flags(cfg: ProbeConfig) -> list[str]:
-    return HttpProbes(cfg, Metrics()).render()[1]
+def _knobs(cfg: ProbeConfig) -> dict[str, int | None]:
+    return HttpProbes(cfg, Metrics()).plan()
 
 
 @pytest.mark.privileged
 def test_missing_optional_tracepoint_drops_only_its_signal(require_root):
-    flags = _flags(ProbeConfig(disabled_tracepoints=frozenset({"sock:sk_data_ready"})))
-    assert "-DWITH_RECVQ" not in flags
-    assert "-DWITH_SCHED" in flags and "-DWITH_TCPSTATS" in flags
+    knobs = _knobs(ProbeConfig(disabled_tracepoints=frozenset({"sock:sk_data_ready"})))
+    assert "WITH_RECVQ" not in knobs
+    assert "WITH_SCHED" in knobs and "WITH_TCPSTATS" in knobs
 
 
 @pytest.mark.privileged
 def test_missing_required_tracepoint_is_an_error_naming_it(require_root):
     with pytest.raises(ProbeError, match="sock:sock_recv_length"):
-        _flags(ProbeConfig(disabled_tracepoints=frozenset({"sock:sock_recv_length"})))
+        _knobs(ProbeConfig(disabled_tracepoints=frozenset({"sock:sock_recv_length"})))
 
 
 @pytest.mark.privileged
 def test_tlb_hardware_forced_without_pmu_is_a_clear_error(require_root, monkeypatch):
     monkeypatch.setattr(probes, "pmu_tlb_available", lambda: False)
     with pytest.raises(ProbeError, match="no hardware dTLB/iTLB counter"):
-        _flags(ProbeConfig(tlb_hardware=True))
+        _knobs(ProbeConfig(tlb_hardware=True))
 
 
 @pytest.mark.privileged
@@ -37,11 +39,12 @@ def test_tlb_hardware_path_is_selected_and_passes_the_verifier(require_root, mon
     """With a PMU the hardware path is chosen instead of the flush fallback; its programs
     compile and load here even though no counter can be opened in this VM."""
     monkeypatch.setattr(probes, "pmu_tlb_available", lambda: True)
-    src, flags = HttpProbes(ProbeConfig(), Metrics()).render()
-    assert "-DTLB_HW" in flags
+    probe = HttpProbes(ProbeConfig(), Metrics())
+    assert "TLB_HW" in probe.plan()
+    src, flags = probe.render()
     from bcc import BPF
 
-    b = BPF(text=src.encode(), cflags=[*flags, "-Wno-macro-redefined"])
+    b = BPF(text=src.encode(), cflags=flags)
     try:
         attached = set(b.tracepoint_fds)
         assert b"sched:sched_switch" in attached  # reads the counters at switch in/out
@@ -51,3 +54,64 @@ def test_tlb_hardware_path_is_selected_and_passes_the_verifier(require_root, mon
         b.cleanup()
     assert probes.DTLB_READ_MISS == 3 | (0 << 8) | (1 << 16)
     assert probes.ITLB_READ_MISS == 4 | (0 << 8) | (1 << 16)
+
+
+# ------------------------------------------------------------------------------ rendering
+
+
+def test_render_inlines_local_includes_and_resolves_knob_conditionals(tmp_path):
+    (tmp_path / "a.h").write_text(
+        "#ifndef A_H\n#define A_H\nint in_a;\n#ifdef WITH_SCHED\nint sched;\n#else\n"
+        "int no_sched;\n#endif\n#endif\n"
+    )
+    (tmp_path / "main.c").write_text(
+        '#include <linux/types.h>\n#include "a.h"\n#include "a.h"\n'
+        "#if defined(WITH_TLB_FLUSH) && !defined(TLB_HW)\nint flush;\n#endif\n"
+        "#ifndef NCPU\n#define NCPU 64\n#endif\n#ifdef FILTER_PID\nint pid;\n#endif\n"
+    )
+    text = probes.render_source(tmp_path, "main.c", {"NCPU": 4, "WITH_TLB_FLUSH": None})
+    lines = text.splitlines()
+    assert "#define NCPU 4" in lines and "#define WITH_TLB_FLUSH" in lines
+    assert "#include <linux/types.h>" in lines  # system headers stay
+    assert not any(line.startswith('#include "') for line in lines)
+    assert lines.count("int in_a;") == 1
+    assert "int no_sched;" in lines and "int sched;" not in lines
+    assert "int flush;" in lines and "int pid;" not in lines
+    assert "#define NCPU 64" not in lines  # the default is dead code once NCPU is a knob
+    assert "#ifndef A_H" in lines  # a guard is not a knob: left to the compiler
+    for knob in ("WITH_SCHED", "FILTER_PID", "NCPU", "TLB_HW"):
+        assert not any(knob in line for line in lines if line.lstrip().startswith("#if")), knob
+
+
+def test_every_conditional_in_the_bpf_sources_is_a_knob_or_a_guard():
+    """So the rendered text has no conditional left that the planner decides."""
+    names = set()
+    for f in probes.bpf_source_dir().iterdir():
+        if f.suffix in (".c", ".h"):
+            for line in f.read_text().splitlines():
+                m = re.match(r"\s*#\s*(ifdef|ifndef|if)\s+(.*)", line)
+                if m:
+                    names |= set(re.findall(r"[A-Z][A-Z0-9_]+", m.group(2)))
+    assert {n for n in names if not n.endswith("_H")} <= probes.KNOBS
+
+
+@pytest.mark.privileged
+def test_ebpf_command_prints_exactly_the_text_that_is_compiled(require_root):
+    from click.testing import CliRunner
+    from tracejoin.commands.cli import main
+
+    out = CliRunner().invoke(main, ["ebpf", "--disable-tracepoint", "sched:sched_switch"])
+    assert out.exit_code == 0, out.output
+    probe = HttpProbes(
+        ProbeConfig(disabled_tracepoints=frozenset({"sched:sched_switch"})),
+        Metrics(),
+    )
+    src, flags = probe.render()
+    assert out.output == f"// cflags: {' '.join(flags)}\n{src}\n"
+    assert not any(f.startswith(("-D", "-I")) for f in flags)  # everything is in the text
+    for name in ("http_record.h", "http_conn.h", "http_request.h", "http_response.h"):
+        assert f"/* ---- bpf/{name} ---- */" in src
+    assert "#define WITH_RECVQ" in src.splitlines()
+    assert "TRACEPOINT_PROBE(sock, sk_data_ready)" in src
+    assert "sched_switch" not in src  # its signal is off: its program is not compiled
+    assert "#ifdef" not in src.replace("#ifdef TRACEJOIN", "")

@@ -11,6 +11,7 @@ hostile traffic). Figures (CPU, RSS, timings) are printed: run with -s to see th
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import queue
@@ -48,16 +49,16 @@ from hostile import (
 from jaeger import Jaeger, JaegerPorts, find_binary, missing_binary_message
 from jaeger import trace_ids_equal as _same_trace
 from tracejoin.core.model import KIND_SERVER, Span
+from tracejoin.core.record import LRU_ENTRIES, RINGBUF_PAGES, HttpRecord
 from tracejoin.kernel.probes import ProbeConfig
 
 pytestmark = pytest.mark.privileged
 
 FULL = os.environ.get("TRACEJOIN_FULL_RELIABILITY") == "1"
 
-RINGBUF_BYTES = 1 << 20
-RECORD_BYTES = 424  # sizeof(struct http_record)
+RINGBUF_BYTES = RINGBUF_PAGES * 4096
+RECORD_BYTES = ctypes.sizeof(HttpRecord)
 RINGBUF_RECORDS = RINGBUF_BYTES // (RECORD_BYTES + 8)  # each record has an 8-byte header
-LRU_ENTRIES = 16384  # conns, reqs, threads (docs/probes.md)
 MAX_BATCH = 512  # BatchExportQueue's default batch: at most one in flight besides the queue
 # spans of one request (server + receive-queue child + 4 run-queue children): spans_built counts
 # a request's spans before they are submitted, so a scrape may see them built but not queued

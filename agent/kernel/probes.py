@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from importlib import resources
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tracejoin.core.metrics import Metrics
-from tracejoin.kernel.decode import CNT_MAX, KERNEL_COUNTERS
+from tracejoin.core.record import CNT_MAX, KERNEL_COUNTERS, PROG_SCAN_REQ, PROG_SCAN_RESP
 from tracejoin.kernel.perf import perf_event_open_check
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,22 @@ OPTIONAL_TRACEPOINTS: tuple[str, ...] = tuple(
     tp for sig in OPTIONAL_SIGNALS for tp in sig.tracepoints
 )
 
-PROG_SCAN_REQ = 0
-PROG_SCAN_RESP = 1
+# Every macro the planner may define. Conditionals on these are resolved when the source is
+# rendered, so `tracejoin ebpf` shows only the code that is compiled; a conditional on anything
+# else (an include guard) is left to the compiler.
+KNOBS = frozenset(
+    {
+        *(sig.define for sig in OPTIONAL_SIGNALS),
+        "WITH_FAULTS",
+        "FILTER_PID",
+        "FILTER_PORT",
+        "FILTER_COMM",
+        "TLB_HW",
+        "NCPU",
+        "RUNQ_THRESHOLD_NS",
+    }
+)
+CFLAGS = ("-Wno-macro-redefined",)
 
 # perf_event_attr.config for PERF_TYPE_HW_CACHE: cache | (op << 8) | (result << 16)
 _HW_CACHE_DTLB, _HW_CACHE_ITLB, _OP_READ, _RESULT_MISS = 3, 4, 0, 1
@@ -157,7 +172,8 @@ class HttpProbes:
 
     # -- build ---------------------------------------------------------------------------
 
-    def _plan(self) -> list[str]:
+    def plan(self) -> dict[str, int | None]:
+        """The knobs to compile with: name -> value (None: defined, without a value)."""
         cfg = self.config
         missing = [
             tp for tp in REQUIRED_TRACEPOINTS if not tracepoint_exists(tp, cfg.disabled_tracepoints)
@@ -172,7 +188,10 @@ class HttpProbes:
                 f"required tracepoint(s) missing: {', '.join(missing)}; "
                 "this kernel cannot run tracejoin (see `tracejoin doctor`)"
             )
-        defines = [f"-DNCPU={_ncpus()}", f"-DRUNQ_THRESHOLD_NS={int(cfg.runq_threshold_ns)}"]
+        knobs: dict[str, int | None] = {
+            "NCPU": _ncpus(),
+            "RUNQ_THRESHOLD_NS": int(cfg.runq_threshold_ns),
+        }
         for sig in OPTIONAL_SIGNALS:
             absent = [
                 tp for tp in sig.tracepoints if not tracepoint_exists(tp, cfg.disabled_tracepoints)
@@ -181,31 +200,32 @@ class HttpProbes:
                 self.status.signals[sig.name] = f"off: tracepoint {', '.join(absent)} missing"
             else:
                 self.status.signals[sig.name] = "on"
-                defines.append(f"-D{sig.define}")
+                knobs[sig.define] = None
         if cfg.page_faults:
-            defines.append("-DWITH_FAULTS")
+            knobs["WITH_FAULTS"] = None
         if cfg.pids:
-            defines.append("-DFILTER_PID")
+            knobs["FILTER_PID"] = None
         if cfg.ports:
-            defines.append("-DFILTER_PORT")
+            knobs["FILTER_PORT"] = None
         if cfg.comm:
-            defines.append("-DFILTER_COMM")
+            knobs["FILTER_COMM"] = None
         if cfg.tlb_hardware is not False:
             if pmu_tlb_available():
-                defines.append("-DTLB_HW")
+                knobs["TLB_HW"] = None
             elif cfg.tlb_hardware:
                 raise ProbeError(
                     "--tlb hardware: no hardware dTLB/iTLB counter opens here "
                     "(no PMU, e.g. in a VM); use --tlb auto for the "
                     "tlb:tlb_flush fallback (see `tracejoin doctor`)"
                 )
-        return defines
+        return knobs
 
-    def render(self) -> tuple[str, list[str]]:
-        """The C source and flags exactly as compiled (for `tracejoin ebpf`)."""
-        defines = self._plan()
-        src_dir = bpf_source_dir()
-        return (src_dir / "http.c").read_text(), [f"-I{src_dir}", *defines]
+    def render(self, knobs: dict[str, int | None] | None = None) -> tuple[str, list[str]]:
+        """The C text and flags exactly as compiled (for `tracejoin ebpf`): bpf/http.c with
+        its local includes inlined and the knobs applied."""
+        if knobs is None:
+            knobs = self.plan()
+        return render_source(bpf_source_dir(), "http.c", knobs), list(CFLAGS)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -217,10 +237,10 @@ class HttpProbes:
                 f"cannot import bcc ({exc}): install python3-bpfcc and run `make setup`"
             ) from exc
         t0 = time.monotonic()
-        src, cflags = self.render()
-        defines = [f for f in cflags if f.startswith("-D")]
+        knobs = self.plan()
+        src, cflags = self.render(knobs)
         try:
-            bpf = BPF(text=src.encode(), cflags=[*cflags, "-Wno-macro-redefined"])
+            bpf = BPF(text=src.encode(), cflags=cflags)
         except Exception as exc:
             raise ProbeError(
                 f"BPF compile/load failed: {exc}. Kernel headers must exist at "
@@ -232,7 +252,7 @@ class HttpProbes:
             fn = bpf.load_func(name.encode(), BPF.TRACEPOINT)
             bpf[b"progs"][ctypes.c_int(idx)] = ctypes.c_int(fn.fd)
         self._fill_filters(bpf)
-        if "-DWITH_FAULTS" in defines:
+        if "WITH_FAULTS" in knobs:
             try:
                 bpf.attach_perf_event(
                     ev_type=PerfType.SOFTWARE,
@@ -251,7 +271,7 @@ class HttpProbes:
                 self.status.signals["page_faults"] = f"off: software perf events: {exc}"
         else:
             self.status.signals["page_faults"] = "off: disabled by configuration"
-        if "-DTLB_HW" in defines:
+        if "TLB_HW" in knobs:
             bpf[b"dtlb"].open_perf_event(PerfType.HW_CACHE, DTLB_READ_MISS)
             bpf[b"itlb"].open_perf_event(PerfType.HW_CACHE, ITLB_READ_MISS)
             self.status.tlb_mode = "hardware"
@@ -305,7 +325,7 @@ class HttpProbes:
             bpf.detach_perf_event(ev_type, ev_config)
 
     def kernel_counters(self) -> dict[str, int]:
-        """Per-CPU kernel counters summed (see CNT_* in bpf/http_record.h)."""
+        """Per-CPU kernel counters summed (CNT_* in bpf/http_record.h)."""
         if self._bpf is None:
             return {}
         table = self._bpf[b"counters"]  # type: ignore[index]
@@ -331,3 +351,96 @@ class HttpProbes:
 def pmu_tlb_available() -> bool:
     """Whether a hardware dTLB-load-miss counter opens (false in most VMs)."""
     return perf_event_open_check("hw_cache", DTLB_READ_MISS) is None
+
+
+# ------------------------------------------------------------------------------ rendering
+
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([\w.]+)"\s*$')
+_CONDITIONAL = re.compile(r"^\s*#\s*(ifdef|ifndef|if|elif|else|endif)\b\s*(.*?)\s*(?:/\*.*)?$")
+_DEFINED = re.compile(r"defined\s*\(\s*(\w+)\s*\)|defined\s+(\w+)")
+
+
+def render_source(src_dir: Path, name: str, knobs: dict[str, int | None]) -> str:
+    """`name` with its local ("...") includes inlined, the knobs #defined at the top, and every
+    conditional on a knob resolved: the text is exactly what the compiler sees of ours."""
+    head = [
+        f"/* tracejoin: bpf/{name} as compiled: local includes inlined, knobs applied. */",
+        *(f"#define {k}" if v is None else f"#define {k} {int(v)}" for k, v in knobs.items()),
+    ]
+    lines = _resolve_knobs(_inline(src_dir, name, set()), set(knobs))
+    return "\n".join([*head, *lines]) + "\n"
+
+
+def _inline(src_dir: Path, name: str, seen: set[str]) -> list[str]:
+    if name in seen:  # a second include of the same file: its guard would make it empty
+        return []
+    seen.add(name)
+    out: list[str] = []
+    for line in (src_dir / name).read_text().splitlines():
+        m = _LOCAL_INCLUDE.match(line)
+        if m:
+            out.append(f"/* ---- bpf/{m.group(1)} ---- */")
+            out.extend(_inline(src_dir, m.group(1), seen))
+            out.append(f"/* ---- end of bpf/{m.group(1)} ---- */")
+        else:
+            out.append(line)
+    return out
+
+
+def _knob_condition(kind: str, expr: str, defined: set[str]) -> bool | None:
+    """The value of a conditional that tests knobs only; None when it tests anything else."""
+    if kind in ("ifdef", "ifndef"):
+        if expr not in KNOBS:
+            return None
+        return (expr in defined) == (kind == "ifdef")
+    names = [a or b for a, b in _DEFINED.findall(expr)]
+    if not names or any(n not in KNOBS for n in names):
+        return None
+    py = _DEFINED.sub(lambda m: str((m.group(1) or m.group(2)) in defined), expr)
+    py = py.replace("&&", " and ").replace("||", " or ").replace("!", " not ")
+    if not re.fullmatch(r"[\s()]*((True|False|and|or|not)[\s()]*)+", py):
+        return None
+    return bool(eval(py, {"__builtins__": {}}))  # only True/False/and/or/not/parentheses
+
+
+def _resolve_knobs(lines: list[str], defined: set[str]) -> list[str]:
+    out: list[str] = []
+    # one entry per open conditional: (resolved here, branch active, a branch already taken)
+    stack: list[tuple[bool, bool, bool]] = []
+
+    def emitting() -> bool:
+        return all(active for resolved, active, _ in stack if resolved)
+
+    for line in lines:
+        m = _CONDITIONAL.match(line)
+        if not m:
+            if emitting():
+                out.append(line)
+            continue
+        kind, expr = m.group(1), m.group(2).strip()
+        if kind in ("ifdef", "ifndef", "if"):
+            value = _knob_condition(kind, expr, defined)
+            if value is None:
+                if emitting():
+                    out.append(line)
+                stack.append((False, True, True))
+            else:
+                stack.append((True, value, value))
+        elif kind == "elif":
+            if stack[-1][0]:
+                raise ValueError(f"#elif on a knob is not supported: {line!r}")
+            if emitting():
+                out.append(line)
+        elif kind == "else":
+            resolved, _, taken = stack[-1]
+            if resolved:
+                stack[-1] = (True, not taken, True)
+            elif emitting():
+                out.append(line)
+        else:  # endif
+            resolved, _, _ = stack.pop()
+            if not resolved and emitting():
+                out.append(line)
+    if stack:
+        raise ValueError("unterminated conditional in the BPF source")
+    return out

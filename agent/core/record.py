@@ -1,0 +1,138 @@
+"""The kernel's record and constants, mirrored from bpf/http_record.h (the C <-> Python contract).
+
+Ground floor: imports nothing of ours, so every layer (decode, spans, exporters, bench) can use
+the layout and flags. tests/test_decode.py compiles the header and checks every `#define` and
+the struct's size and offsets against this module: a constant changed on one side only fails
+there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+REC_HTTP = 1  # byte 0 of every ring-buffer record is its type
+
+HTTP_METHOD_MAX = 8
+HTTP_PATH_MAX = 96
+TP_CAP = 56
+RUNQ_SLOTS = 4
+
+# record flags (REQF_*)
+REQF_TP_WINDOW = 0x0001
+REQF_HDR_DONE = 0x0002
+REQF_NO_RESPONSE = 0x0004
+REQF_RESP_UNTERM = 0x0008
+REQF_PATH_TRUNC = 0x0010
+REQF_TP_SPLIT = 0x0020
+REQF_TUPLE = 0x0040
+REQF_FIRST_ON_CONN = 0x0080
+REQF_TLB_HW = 0x0100
+REQF_RESP_TRUNC = 0x0200
+
+# limits of the kernel's maps and windows
+HDR_WINDOW = 4096
+MAX_PENDING = 8
+LRU_ENTRIES = 16384
+RINGBUF_PAGES = 256
+
+# slots of the `progs` prog_array
+PROG_SCAN_REQ = 0
+PROG_SCAN_RESP = 1
+PROG_COUNT = 2
+
+# indices of the per-CPU `counters` map (CNT_*)
+CNT_RECORDS_SUBMITTED = 0
+CNT_RINGBUF_FULL = 1
+CNT_PIPELINE_SLOTS_FULL = 2
+CNT_NON_HTTP_CONNECTIONS = 3
+CNT_REQUEST_STATE_LOST = 4
+CNT_READ_COPY_FAILED = 5
+CNT_MAX = 8
+
+# CNT_FOO is exported as `kernel_foo`: index -> name, and each name's help text.
+KERNEL_COUNTERS: dict[int, str] = {
+    CNT_RECORDS_SUBMITTED: "records_submitted",
+    CNT_RINGBUF_FULL: "ringbuf_full",
+    CNT_PIPELINE_SLOTS_FULL: "pipeline_slots_full",
+    CNT_NON_HTTP_CONNECTIONS: "non_http_connections",
+    CNT_REQUEST_STATE_LOST: "request_state_lost",
+    CNT_READ_COPY_FAILED: "read_copy_failed",
+}
+KERNEL_COUNTER_HELP: dict[str, str] = {
+    "records_submitted": "Records the kernel tried to emit (one per request)",
+    "ringbuf_full": "Records lost in the kernel: the ring buffer had no room",
+    "pipeline_slots_full": "Requests not tracked: more than MAX_PENDING open on one connection",
+    "non_http_connections": "Connections whose first read was not an HTTP/1.x request",
+    "request_state_lost": "Requests whose kernel state was evicted before their response",
+    "read_copy_failed": "Request buffers the kernel could not copy",
+}
+
+
+class RunqWait(ctypes.Structure):
+    _fields_ = (("start_ns", ctypes.c_uint64), ("dur_ns", ctypes.c_uint64))
+
+
+class HttpRecord(ctypes.Structure):
+    """Mirror of struct http_record."""
+
+    _fields_ = (
+        ("type", ctypes.c_uint8),
+        ("family", ctypes.c_uint8),
+        ("method_len", ctypes.c_uint8),
+        ("path_len", ctypes.c_uint8),
+        ("flags", ctypes.c_uint16),
+        ("status", ctypes.c_uint16),
+        ("lport", ctypes.c_uint16),
+        ("rport", ctypes.c_uint16),
+        ("tp_len", ctypes.c_uint16),
+        ("tp_count", ctypes.c_uint8),
+        ("_pad0", ctypes.c_uint8),
+        ("pid", ctypes.c_uint32),
+        ("tid", ctypes.c_uint32),
+        ("fd", ctypes.c_uint32),
+        ("_pad1", ctypes.c_uint32),
+        ("conn_id", ctypes.c_uint64),
+        ("seq", ctypes.c_uint64),
+        ("arrival_ns", ctypes.c_uint64),
+        ("read_ns", ctypes.c_uint64),
+        ("resp_start_ns", ctypes.c_uint64),
+        ("end_ns", ctypes.c_uint64),
+        ("est_ns", ctypes.c_uint64),
+        ("req_bytes", ctypes.c_uint64),
+        ("resp_bytes", ctypes.c_uint64),
+        ("laddr", ctypes.c_uint8 * 16),
+        ("raddr", ctypes.c_uint8 * 16),
+        ("method", ctypes.c_char * HTTP_METHOD_MAX),
+        ("path", ctypes.c_char * HTTP_PATH_MAX),
+        ("tp", ctypes.c_char * TP_CAP),
+        ("runq_ns", ctypes.c_uint64),
+        ("runq_max_ns", ctypes.c_uint64),
+        ("offcpu_ns", ctypes.c_uint64),
+        ("tlb_a", ctypes.c_uint64),
+        ("tlb_b", ctypes.c_uint64),
+        ("minflt", ctypes.c_uint32),
+        ("majflt", ctypes.c_uint32),
+        ("nr_switches", ctypes.c_uint32),
+        ("retrans", ctypes.c_uint32),
+        ("srtt_us", ctypes.c_uint32),
+        ("unacked_max", ctypes.c_uint32),
+        ("runq", RunqWait * RUNQ_SLOTS),
+    )
+
+    def method_str(self) -> str:
+        return bytes(self.method[: self.method_len]).decode("ascii", "replace")
+
+    def method_bytes(self) -> bytes:
+        # As path_bytes: the bytes as sent, a NUL included (core.text.http_method judges them).
+        raw = ctypes.string_at(ctypes.addressof(self) + HttpRecord.method.offset, HTTP_METHOD_MAX)
+        return raw[: min(self.method_len, HTTP_METHOD_MAX)]
+
+    def path_bytes(self) -> bytes:
+        # ctypes c_char arrays stop at NUL; the length field is the truth.
+        raw = ctypes.string_at(ctypes.addressof(self) + HttpRecord.path.offset, HTTP_PATH_MAX)
+        return raw[: min(self.path_len, HTTP_PATH_MAX)]
+
+    def traceparent_bytes(self) -> bytes:
+        """The captured value prefix: at most 56 bytes, trailing OWS excluded."""
+        raw = ctypes.string_at(ctypes.addressof(self) + HttpRecord.tp.offset, TP_CAP)
+        return raw[: min(self.tp_len, TP_CAP)]

@@ -1,0 +1,312 @@
+/* Connection lifecycle: syscall buffers, connection state from the TCP state machine, the
+ * socket-data tracepoints that hand each read/write to a scanner, and the flush on close.
+ * Part of the bpf/http.c compile unit.
+ */
+
+/* ---------------------------------------------------------------- syscall entry: buffers */
+
+#define DIR_RD 0
+#define DIR_WR 1
+
+static __always_inline int remember(int dir, u32 fd, u64 buf, u64 len, u32 has_buf)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!task_allowed(id >> 32))
+        return 0;
+    struct pending_io p = {.buf = buf, .len = len, .fd = fd, .has_buf = has_buf};
+    if (dir == DIR_WR)
+        pending_wr.update(&id, &p);
+    else
+        pending_rd.update(&id, &p);
+    return 0;
+}
+
+/* The first iovec of readv/writev/recvmsg/sendmsg: headers almost always sit in it. */
+static __always_inline int remember_iov(int dir, u32 fd, const struct iovec *iov)
+{
+    struct iovec first = {};
+    if (bpf_probe_read_user(&first, sizeof(first), iov) != 0)
+        return remember(dir, fd, 0, 0, 0);
+    return remember(dir, fd, (u64)first.iov_base, first.iov_len, 1);
+}
+
+static __always_inline int remember_msg(int dir, u32 fd, const struct user_msghdr *msg)
+{
+    struct user_msghdr m = {};
+    if (bpf_probe_read_user(&m, sizeof(m), msg) != 0)
+        return remember(dir, fd, 0, 0, 0);
+    return remember_iov(dir, fd, m.msg_iov);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_read) { return remember(DIR_RD, args->fd, (u64)args->buf, args->count, 1); }
+TRACEPOINT_PROBE(syscalls, sys_enter_recvfrom) { return remember(DIR_RD, args->fd, (u64)args->ubuf, args->size, 1); }
+TRACEPOINT_PROBE(syscalls, sys_enter_readv) { return remember_iov(DIR_RD, args->fd, args->vec); }
+TRACEPOINT_PROBE(syscalls, sys_enter_recvmsg) { return remember_msg(DIR_RD, args->fd, args->msg); }
+TRACEPOINT_PROBE(syscalls, sys_enter_write) { return remember(DIR_WR, args->fd, (u64)args->buf, args->count, 1); }
+TRACEPOINT_PROBE(syscalls, sys_enter_sendto) { return remember(DIR_WR, args->fd, (u64)args->buff, args->len, 1); }
+TRACEPOINT_PROBE(syscalls, sys_enter_writev) { return remember_iov(DIR_WR, args->fd, args->vec); }
+TRACEPOINT_PROBE(syscalls, sys_enter_sendmsg) { return remember_msg(DIR_WR, args->fd, args->msg); }
+/* sendfile: the body never passes through user memory; its bytes are counted, not scanned. */
+TRACEPOINT_PROBE(syscalls, sys_enter_sendfile64) { return remember(DIR_WR, args->out_fd, 0, 0, 0); }
+
+/* An entry must not outlive its syscall: a later socket event in this thread (io_uring, say)
+ * would otherwise read a stale buffer. */
+static __always_inline int forget(int dir)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (dir == DIR_WR)
+        pending_wr.delete(&id);
+    else
+        pending_rd.delete(&id);
+    return 0;
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_read) { return forget(DIR_RD); }
+TRACEPOINT_PROBE(syscalls, sys_exit_recvfrom) { return forget(DIR_RD); }
+TRACEPOINT_PROBE(syscalls, sys_exit_readv) { return forget(DIR_RD); }
+TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) { return forget(DIR_RD); }
+TRACEPOINT_PROBE(syscalls, sys_exit_write) { return forget(DIR_WR); }
+TRACEPOINT_PROBE(syscalls, sys_exit_sendto) { return forget(DIR_WR); }
+TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return forget(DIR_WR); }
+TRACEPOINT_PROBE(syscalls, sys_exit_sendmsg) { return forget(DIR_WR); }
+TRACEPOINT_PROBE(syscalls, sys_exit_sendfile64) { return forget(DIR_WR); }
+
+/* ---------------------------------------------------------------- connections */
+
+static __always_inline u64 new_conn_id(void)
+{
+    int z = 0;
+    u64 *c = conn_seq.lookup(&z);
+    if (!c)
+        return 0;
+    (*c)++;
+    return ((u64)bpf_get_smp_processor_id() << 48) | *c;
+}
+
+static __always_inline void emit(struct http_record *rec)
+{
+    count(CNT_RECORDS_SUBMITTED);
+    if (events.ringbuf_output(rec, sizeof(*rec), 0) != 0)
+        count(CNT_RINGBUF_FULL);
+}
+
+/* Emit and forget every request still open on a connection that is going away. */
+static __always_inline void flush_conn(u64 sk, struct conn *c, u64 now)
+{
+    struct req_key key = {.sk = sk};
+#pragma unroll
+    for (int i = 0; i < MAX_PENDING; i++) {
+        if (c->head >= c->tail)
+            break;
+        key.seq = c->head;
+        struct http_record *rec = reqs.lookup(&key);
+        if (rec) {
+            if (rec->resp_start_ns) {
+                rec->flags |= REQF_RESP_UNTERM;
+                finish_request(rec, c, c->last_write_ns);
+            } else {
+                rec->flags |= REQF_NO_RESPONSE;
+                finish_request(rec, c, now);
+            }
+            rec->status = c->rs_status;
+            emit(rec);
+            reqs.delete(&key);
+        } else {
+            count(CNT_REQUEST_STATE_LOST);
+        }
+        c->head++;
+        c->rs_state = RS_STATUS;
+        c->rs_status = 0;
+    }
+}
+
+TRACEPOINT_PROBE(sock, inet_sock_set_state)
+{
+    if (args->protocol != IPPROTO_TCP_)
+        return 0;
+    u64 sk = (u64)args->skaddr;
+    u64 now = bpf_ktime_get_ns();
+    if (args->newstate == TCP_ESTABLISHED_) {
+        struct conn c = {};
+        c.conn_id = new_conn_id();
+        c.family = args->family;
+        c.lport = args->sport;
+        c.rport = args->dport;
+        c.flags = CONN_TUPLE;
+        if (args->family == AF_INET_) {
+            __builtin_memcpy(c.laddr, args->saddr, 4);
+            __builtin_memcpy(c.raddr, args->daddr, 4);
+        } else {
+            __builtin_memcpy(c.laddr, args->saddr_v6, 16);
+            __builtin_memcpy(c.raddr, args->daddr_v6, 16);
+        }
+        if (args->oldstate == TCP_SYN_RECV_) {
+            c.est_ns = now;            /* handshake done; the accept backlog wait starts */
+#ifdef FILTER_PORT
+            u16 port = args->sport;
+            if (!filter_port.lookup(&port))
+                c.flags |= CONN_IGNORED;
+#endif
+        } else {
+            c.flags |= CONN_IGNORED;   /* a connection this host opened: a client, not served */
+        }
+        conns.update(&sk, &c);
+        return 0;
+    }
+    /* We are closing (or the connection was reset): whatever is open has ended. The peer's FIN
+     * alone (CLOSE_WAIT) does not end anything: a half-closed client still gets its response. */
+    if (args->newstate == TCP_FIN_WAIT1_ || args->newstate == TCP_LAST_ACK_ ||
+        args->newstate == TCP_CLOSE_) {
+        struct conn *c = conns.lookup(&sk);
+        if (c)
+            flush_conn(sk, c, now);
+    }
+    return 0;
+}
+
+TRACEPOINT_PROBE(tcp, tcp_destroy_sock)
+{
+    u64 sk = (u64)args->skaddr;
+    struct conn *c = conns.lookup(&sk);
+    if (!c)
+        return 0;
+    flush_conn(sk, c, bpf_ktime_get_ns());
+    conns.delete(&sk);
+    return 0;
+}
+
+#ifdef WITH_TUPLE_AT_READ
+/* Fires inside every TCP read that copied data, before sock_recv_length, with the socket and
+ * its 4-tuple: a connection older than the agent, or evicted from `conns`, gets its tuple (and
+ * the port filter) here rather than from /proc. Only threads that passed the pid/comm filters
+ * at syscall entry (a pending read) create state. */
+TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
+{
+    u64 sk = (u64)args->skaddr;
+    struct conn *c = conns.lookup(&sk);
+    if (c && (c->flags & CONN_TUPLE))
+        return 0;
+    if (!c) {
+        u64 id = bpf_get_current_pid_tgid();
+        if (!pending_rd.lookup(&id))
+            return 0;
+        struct conn fresh = {};
+        fresh.conn_id = new_conn_id();
+        conns.update(&sk, &fresh);
+        c = conns.lookup(&sk);
+        if (!c)
+            return 0;
+    }
+    c->family = args->family;
+    c->lport = args->sport;
+    c->rport = args->dport;
+    if (args->family == AF_INET_) {
+        __builtin_memcpy(c->laddr, args->saddr, 4);
+        __builtin_memcpy(c->raddr, args->daddr, 4);
+    } else {
+        __builtin_memcpy(c->laddr, args->saddr_v6, 16);
+        __builtin_memcpy(c->raddr, args->daddr_v6, 16);
+    }
+    c->flags |= CONN_TUPLE;
+#ifdef FILTER_PORT
+    u16 port = args->sport;
+    if (!filter_port.lookup(&port))
+        c->flags |= CONN_IGNORED;
+#endif
+    return 0;
+}
+#endif
+
+/* ---------------------------------------------------------------- socket data */
+
+static __always_inline struct scratch *load_scratch(u64 sk, struct pending_io *p, int ret)
+{
+    int z = 0;
+    struct scratch *s = scratch_map.lookup(&z);
+    if (!s)
+        return 0;
+    s->sk = sk;
+    s->now = bpf_ktime_get_ns();
+    s->total = ret;
+    s->off = 0;
+    s->fd = p->fd;
+    s->chain = 0;
+    s->n = 0;
+    if (p->has_buf) {
+        u64 n = ret;
+        if (n > p->len)
+            n = p->len;
+        if (n > SCRATCH_SIZE)
+            n = SCRATCH_SIZE;
+        u32 sz = n;
+        if (sz > SCRATCH_SIZE)
+            sz = SCRATCH_SIZE;
+        if (sz > 0 && bpf_probe_read_user(s->buf, sz, (void *)p->buf) == 0)
+            s->n = sz;
+        else if (sz > 0)
+            count(CNT_READ_COPY_FAILED);
+    }
+    return s;
+}
+
+static __always_inline int is_tcp(u16 family, u16 protocol)
+{
+    return (family == AF_INET_ || family == AF_INET6_) && protocol == IPPROTO_TCP_;
+}
+
+TRACEPOINT_PROBE(sock, sock_recv_length)
+{
+    if (args->ret <= 0 || !is_tcp(args->family, args->protocol) || (args->flags & MSG_PEEK_))
+        return 0;
+    u64 id = bpf_get_current_pid_tgid();
+    struct pending_io *p = pending_rd.lookup(&id);
+    if (!p)
+        return 0;
+    u64 sk = (u64)args->sk;
+    struct conn *c = conns.lookup(&sk);
+    if (!c) {
+        /* A connection from before we started (or evicted): track it without its tuple;
+         * user space resolves the tuple from the fd. */
+        struct conn fresh = {};
+        fresh.conn_id = new_conn_id();
+#if defined(FILTER_PORT) && !defined(WITH_TUPLE_AT_READ)
+        /* Its port is unknown here (no tcp_rcv_space_adjust), so the port filter cannot
+         * admit it: a filter must never let another port through (docs/probes.md). */
+        fresh.flags = CONN_IGNORED;
+#endif
+        conns.update(&sk, &fresh);
+        c = conns.lookup(&sk);
+        if (!c)
+            return 0;
+    }
+    if (c->flags & CONN_IGNORED)
+        return 0;
+    if (!load_scratch(sk, p, args->ret))
+        return 0;
+    pending_rd.delete(&id);
+    progs.call(args, PROG_SCAN_REQ);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sock, sock_send_length)
+{
+    if (args->ret <= 0 || !is_tcp(args->family, args->protocol))
+        return 0;
+    u64 sk = (u64)args->sk;
+    struct conn *c = conns.lookup(&sk);
+    if (!c || (c->flags & CONN_IGNORED) || c->head >= c->tail)
+        return 0;
+    u64 id = bpf_get_current_pid_tgid();
+    struct pending_io *p = pending_wr.lookup(&id);
+    struct pending_io none = {};
+    if (!p)
+        p = &none;
+    struct scratch *s = load_scratch(sk, p, args->ret);
+    if (!s)
+        return 0;
+    c->last_write_ns = s->now;
+    /* sendfile calls sock_sendmsg once per chunk: only the first event may use a buffer */
+    if (p->has_buf)
+        pending_wr.delete(&id);
+    progs.call(args, PROG_SCAN_RESP);
+    return 0;
+}
