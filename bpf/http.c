@@ -2,8 +2,10 @@
  * did to each, one fixed-size record per finished request.
  *
  * One compile unit: this file holds the shared state (connection, scratch and thread structs,
- * every map) and includes the programs by concern, in dependency order:
+ * every map more than one include uses; the work set's own maps are in http_workset.h) and
+ * includes the programs by concern, in dependency order:
  *   http_record.h    the C <-> Python contract (record layout, flags, counters, prog indices)
+ *   http_workset.h   the work set: the threads that worked for a request (sched_waking)
  *   http_enrich.h    per-thread / per-connection enrichment: sched, faults, TLB, TCP
  *   http_conn.h      connection lifecycle: syscall buffers, TCP states, socket data, flush
  *   http_scan.h      helpers shared by the two scanners
@@ -27,7 +29,11 @@
  *
  * Defines set by agent/kernel/probes.py (integers or present/absent; no user text is ever
  * pasted in here):
- *   WITH_RECVQ, WITH_TUPLE_AT_READ, WITH_TCPSTATS, WITH_SCHED, WITH_TLB_FLUSH, WITH_FAULTS
+ *   WITH_RECVQ, WITH_TUPLE_AT_READ, WITH_TCPSTATS, WITH_SCHED, WITH_TLB_FLUSH, WITH_FAULTS,
+ *   WITH_WORKSET (needs WITH_SCHED)
+ *   TASK_FLAGS_OFF, TASK_PID_OFF, TASK_TGID_OFF, TASK_COMM_OFF
+ *                                          task_struct member offsets from the running kernel's
+ *                                          BTF (WITH_WORKSET only; agent/kernel/btf.py)
  *                                          optional signals whose tracepoints/events exist
  *   FILTER_PID, FILTER_PORT, FILTER_COMM   filters are active (values live in maps)
  *   TLB_HW                                 hardware dTLB/iTLB counters are open
@@ -126,12 +132,30 @@ struct scratch {
     u32 chain;                  /* tail calls used so far */
 };
 
+/* An open request's work set, as a thread refers to it: the request's key in `worksets`
+ * (conn_id is never 0 for a live reference) and the thread's index among its members. */
+struct ws_ref {
+    u64 conn_id;
+    u64 seq;
+    u32 idx;                    /* 0: this thread read the request */
+    u32 _pad;
+};
+
+/* Per-thread running totals. A request takes differences of them over the time a thread
+ * worked for it (bpf/http_workset.h), so no per-event work ever touches a request. */
 struct tstat {
-    u64 runq_total, runq_max, offcpu_total, switches;
-    u64 minflt, majflt, tlb_a, tlb_b;
+    u64 tot[WSIG_COUNT];        /* by WSIG_* */
+    u64 sh[WSIG_COUNT];         /* ... the part counted while nopen > 1 */
+    u64 appt;                   /* on-CPU while nopen > 1, each slice divided by nopen */
+    u64 runq_max;
     u64 queued_ts, wake_ts, sleep_ts;
+    u64 oncpu_ts;               /* switched in at; 0 while off CPU */
     u64 hw_d_in, hw_i_in;       /* counter values at switch-in (TLB_HW) */
-    u32 ring_idx, _pad;
+    u32 ring_idx;
+    u32 nopen;                  /* open requests whose work set holds this thread */
+    u32 asleep;                 /* switched out blocked, not woken since */
+    u32 tgid;                   /* its process, as last seen running; 0 before */
+    struct ws_ref refs[WS_REFS];
     struct runq_wait ring[RUNQ_SLOTS];
 };
 
@@ -145,6 +169,7 @@ BPF_TABLE("lru_hash", struct req_key, struct http_record, reqs, LRU_ENTRIES);
 BPF_TABLE("lru_hash", u64, struct pending_io, pending_rd, LRU_ENTRIES);
 BPF_TABLE("lru_hash", u64, struct pending_io, pending_wr, LRU_ENTRIES);
 BPF_TABLE("lru_hash", u32, struct tstat, threads, LRU_ENTRIES);
+BPF_PERCPU_ARRAY(zero_thread, struct tstat, 1);         /* never written: a zeroed template */
 BPF_PROG_ARRAY(progs, PROG_COUNT);
 BPF_HASH(filter_pid, u32, u8, 1024);
 BPF_HASH(filter_port, u16, u8, 1024);
@@ -193,6 +218,7 @@ static __always_inline int task_allowed(u32 pid)
     return comm_allowed();
 }
 
+#include "http_workset.h"
 #include "http_enrich.h"
 #include "http_conn.h"
 #include "http_scan.h"

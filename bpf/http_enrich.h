@@ -1,30 +1,34 @@
 /* Enrichment: what the kernel did for a request while it was open, counted per thread
  * (scheduler, page faults, TLB) or per connection (TCP). Part of the bpf/http.c compile unit.
  *
- * Per-thread totals live in `threads`; a request snapshots them when it opens
- * (start_thread_stats) and takes the difference when it ends (finish_request).
+ * Per-thread running totals live in `threads` (tstat.tot, by WSIG_*). With WITH_WORKSET a
+ * request sums them over its work set (http_workset.h); without it, over the reading thread
+ * only: start_thread_stats snapshots the totals when the request opens and finish_request takes
+ * the difference when it ends.
  */
+
+#define TASK_REPORT_MAX_ 0x100  /* prev_state bit for "preempted" (R+); below it, the sleep states */
 
 /* Snapshot per-thread totals into the record as negatives; finish_request adds the totals at
  * the end, leaving the delta without a second copy of the baseline. */
 static __always_inline void start_thread_stats(struct http_record *rec, u32 tid)
 {
-    struct tstat zero = {};
-    struct tstat *t = threads.lookup(&tid);
-    if (!t) {
-        threads.update(&tid, &zero);
-        t = threads.lookup(&tid);
-        if (!t)
-            return;
-    }
+    u64 now = bpf_ktime_get_ns();
+    struct tstat *t = thread_for(tid, 1, now);
+    if (!t)
+        return;
     t->runq_max = 0;
-    rec->runq_ns = -t->runq_total;
-    rec->offcpu_ns = -t->offcpu_total;
-    rec->tlb_a = -t->tlb_a;
-    rec->tlb_b = -t->tlb_b;
-    rec->minflt = -(u32)t->minflt;
-    rec->majflt = -(u32)t->majflt;
-    rec->nr_switches = -(u32)t->switches;
+#ifdef WITH_WORKSET
+    ws_open(rec, t, now);
+#else
+    rec->runq_ns = -t->tot[WSIG_RUNQ];
+    rec->offcpu_ns = -t->tot[WSIG_OFFCPU];
+    rec->tlb_a = -t->tot[WSIG_TLB_A];
+    rec->tlb_b = -t->tot[WSIG_TLB_B];
+    rec->minflt = -(u32)t->tot[WSIG_MINFLT];
+    rec->majflt = -(u32)t->tot[WSIG_MAJFLT];
+    rec->nr_switches = -(u32)t->tot[WSIG_SWITCHES];
+#endif
 }
 
 static __always_inline void finish_request(struct http_record *rec, struct conn *c, u64 end_ns)
@@ -33,21 +37,29 @@ static __always_inline void finish_request(struct http_record *rec, struct conn 
     rec->retrans += c->retrans;
     rec->srtt_us = c->srtt_us;
     rec->unacked_max = c->unacked_max;
+#ifdef WITH_WORKSET
+    ws_finish(rec, end_ns);
+#endif
     u32 tid = rec->tid;
     struct tstat *t = threads.lookup(&tid);
     if (!t) {
+#ifndef WITH_WORKSET
         rec->runq_ns = rec->offcpu_ns = rec->tlb_a = rec->tlb_b = 0;
         rec->minflt = rec->majflt = rec->nr_switches = 0;
+#endif
         return;
     }
-    rec->runq_ns += t->runq_total;
+#ifndef WITH_WORKSET
+    rec->runq_ns += t->tot[WSIG_RUNQ];
+    rec->offcpu_ns += t->tot[WSIG_OFFCPU];
+    rec->tlb_a += t->tot[WSIG_TLB_A];
+    rec->tlb_b += t->tot[WSIG_TLB_B];
+    rec->minflt += (u32)t->tot[WSIG_MINFLT];
+    rec->majflt += (u32)t->tot[WSIG_MAJFLT];
+    rec->nr_switches += (u32)t->tot[WSIG_SWITCHES];
+#endif
+    /* the longest waits are the reading thread's (its runq_max was reset at the read) */
     rec->runq_max_ns = t->runq_max;
-    rec->offcpu_ns += t->offcpu_total;
-    rec->tlb_a += t->tlb_a;
-    rec->tlb_b += t->tlb_b;
-    rec->minflt += (u32)t->minflt;
-    rec->majflt += (u32)t->majflt;
-    rec->nr_switches += (u32)t->switches;
     u64 from = rec->arrival_ns ? rec->arrival_ns : rec->read_ns;
     u32 k = 0;
 #pragma unroll
@@ -67,7 +79,7 @@ static __always_inline void finish_request(struct http_record *rec, struct conn 
 static __always_inline void note_runq_wait(struct tstat *t, u64 start, u64 now)
 {
     u64 d = now - start;
-    t->runq_total += d;
+    acct(t, WSIG_RUNQ, d);
     if (d > t->runq_max)
         t->runq_max = d;
     if (d >= RUNQ_THRESHOLD_NS) {
@@ -85,18 +97,29 @@ TRACEPOINT_PROBE(sched, sched_switch)
     u32 prev = args->prev_pid, next = args->next_pid;
     struct tstat *t = threads.lookup(&prev);
     if (t) {
-        t->switches++;
-        if (args->prev_state == 0)      /* TASK_RUNNING: preempted, still runnable */
-            t->queued_ts = now;
-        else
+        flush_oncpu(t, now);
+        t->oncpu_ts = 0;
+        t->tgid = bpf_get_current_pid_tgid() >> 32;     /* prev is still current here */
+        acct(t, WSIG_SWITCHES, 1);
+        if ((args->prev_state & (TASK_REPORT_MAX_ - 1)) == 0) {
+            t->queued_ts = now;         /* runnable (preempted, or yielded): still queued */
+        } else {
             t->sleep_ts = now;
+            if (!t->asleep) {
+                t->asleep = 1;
+#ifdef WITH_WORKSET
+                if (t->nopen)
+                    ws_blocked(t, 1, now);
+#endif
+            }
+        }
 #ifdef TLB_HW
         int cpu = bpf_get_smp_processor_id();
         u64 d = dtlb.perf_read(cpu), ii = itlb.perf_read(cpu);
         if ((s64)d >= 0 && t->hw_d_in && d >= t->hw_d_in)
-            t->tlb_a += d - t->hw_d_in;
+            acct(t, WSIG_TLB_A, d - t->hw_d_in);
         if ((s64)ii >= 0 && t->hw_i_in && ii >= t->hw_i_in)
-            t->tlb_b += ii - t->hw_i_in;
+            acct(t, WSIG_TLB_B, ii - t->hw_i_in);
 #endif
     }
     t = threads.lookup(&next);
@@ -108,6 +131,7 @@ TRACEPOINT_PROBE(sched, sched_switch)
             note_runq_wait(t, t->wake_ts, now);
             t->wake_ts = 0;
         }
+        t->oncpu_ts = now;
 #ifdef TLB_HW
         int cpu = bpf_get_smp_processor_id();
         t->hw_d_in = dtlb.perf_read(cpu);
@@ -124,10 +148,17 @@ static __always_inline int on_wakeup(u32 pid)
         return 0;
     u64 now = bpf_ktime_get_ns();
     if (t->sleep_ts) {
-        t->offcpu_total += now - t->sleep_ts;
+        acct(t, WSIG_OFFCPU, now - t->sleep_ts);
         t->sleep_ts = 0;
     }
     t->wake_ts = now;
+    if (t->asleep) {
+        t->asleep = 0;
+#ifdef WITH_WORKSET
+        if (t->nopen)
+            ws_blocked(t, 0, now);
+#endif
+    }
     return 0;
 }
 
@@ -143,7 +174,7 @@ int on_minflt(struct bpf_perf_event_data *ctx)
     u32 tid = (u32)bpf_get_current_pid_tgid();
     struct tstat *t = threads.lookup(&tid);
     if (t)
-        t->minflt++;
+        acct(t, WSIG_MINFLT, 1);
     return 0;
 }
 
@@ -152,7 +183,7 @@ int on_majflt(struct bpf_perf_event_data *ctx)
     u32 tid = (u32)bpf_get_current_pid_tgid();
     struct tstat *t = threads.lookup(&tid);
     if (t)
-        t->majflt++;
+        acct(t, WSIG_MAJFLT, 1);
     return 0;
 }
 #endif
@@ -164,9 +195,9 @@ TRACEPOINT_PROBE(tlb, tlb_flush)
     u32 tid = (u32)bpf_get_current_pid_tgid();
     struct tstat *t = threads.lookup(&tid);
     if (t) {
-        t->tlb_a++;
+        acct(t, WSIG_TLB_A, 1);
         if (args->pages == (unsigned long)-1)
-            t->tlb_b++;
+            acct(t, WSIG_TLB_B, 1);
     }
     return 0;
 }

@@ -12,6 +12,9 @@
 #define HTTP_PATH_MAX 96      /* path without query string, truncated (REQF_PATH_TRUNC) */
 #define TP_CAP 56             /* the 55-byte version-00 traceparent value + the byte after it */
 #define RUNQ_SLOTS 4          /* longest run-queue waits kept per request */
+#define WS_SLOTS 4            /* helper threads of a work set reported one by one (members[]) */
+#define WS_MAX 8              /* threads in one work set, the reader included: the set-size cap */
+#define WS_REFS 4             /* open work sets one thread can pass its wakes on to */
 
 /* record flags */
 #define REQF_TP_WINDOW     0x0001 /* headers ran past the scan window before their end */
@@ -30,6 +33,25 @@
 #define MAX_PENDING 8         /* requests tracked at once on one connection (pipelining) */
 #define LRU_ENTRIES 16384     /* entries of each per-connection / per-thread LRU map */
 #define RINGBUF_PAGES 256     /* ring buffer size in 4 KiB pages (1 MiB) */
+#define WS_ENTRIES 4096       /* work sets of open requests kept at once (`worksets` LRU) */
+
+/* Signals a thread accumulates while it works for a request, by index into tstat.tot/sh and
+ * http_record.shared (bpf/http_workset.h). */
+#define WSIG_ONCPU 0          /* ns on a CPU */
+#define WSIG_RUNQ 1           /* ns runnable, waiting for a CPU */
+#define WSIG_OFFCPU 2         /* ns blocked */
+#define WSIG_MINFLT 3
+#define WSIG_MAJFLT 4
+#define WSIG_TLB_A 5          /* as tlb_a: dTLB misses (REQF_TLB_HW) or TLB flushes */
+#define WSIG_TLB_B 6          /* as tlb_b: iTLB misses (REQF_TLB_HW) or full flushes */
+#define WSIG_SWITCHES 7
+#define WSIG_COUNT 8
+
+/* http_record.ws_flags */
+#define WSF_TRACKED  0x01     /* the work set was followed from the request's read to its end */
+#define WSF_CAP      0x02     /* a thread was refused: the set already had WS_MAX members */
+#define WSF_NO_GAP   0x04     /* the reader held no reference to this set (it served more than
+                               * WS_REFS at once): unexplained_wait_ns is not measured */
 
 /* Indices of the `progs` prog_array: user space loads each scanner into its slot. */
 #define PROG_SCAN_REQ 0
@@ -39,6 +61,23 @@
 struct runq_wait {
     __u64 start_ns;
     __u64 dur_ns;
+};
+
+/* One helper thread of a request's work set (not the reader). Counters are what it did while it
+ * worked for this request alone; shared_oncpu_ns while it also worked for other open requests. */
+struct ws_member {
+    __u32 tid;
+    __u32 pid;
+    char  comm[16];        /* the thread's name (comm) when it joined, or when it left by a wake */
+    __u64 join_ns;         /* woken into the set */
+    __u64 leave_ns;        /* woke a member back, or the response ended */
+    __u64 oncpu_ns;
+    __u64 shared_oncpu_ns;
+    __u64 runq_ns;
+    __u32 minflt;
+    __u32 majflt;
+    __u32 tlb_a;           /* as http_record.tlb_a */
+    __u32 tlb_b;
 };
 
 struct http_record {
@@ -84,6 +123,25 @@ struct http_record {
     __u32 srtt_us;         /* last smoothed RTT seen on the connection (tcp:tcp_probe); 0 none */
     __u32 unacked_max;     /* most bytes sent but unacknowledged (tcp:tcp_probe) during the response */
     struct runq_wait runq[RUNQ_SLOTS];
+    /* --- the work set (bpf/http_workset.h): the reader plus the threads it woke while the
+     * request was open, until they woke a member back or the response ended. With WSF_TRACKED
+     * the enrichment fields above are sums over the work set of what each thread did while it
+     * worked for this request alone; what a thread did while it also worked for other open
+     * requests is in shared[], never in them. --- */
+    __u64 oncpu_ns;        /* on a CPU, summed over the work set (not shared) */
+    __u64 helper_oncpu_ns; /* ... the part by threads other than the reader */
+    __u64 unexplained_wait_ns; /* reader blocked while no other member was runnable */
+    __u64 shared_apportioned_ns; /* shared[WSIG_ONCPU] split evenly among the requests sharing it */
+    __u64 shared[WSIG_COUNT];    /* by WSIG_*: counted while the thread also served others */
+    __u16 ws_threads;      /* members, the reader included */
+    __u16 ws_processes;    /* distinct processes among them */
+    __u16 ws_shared_with_max; /* most other open requests sharing a member thread */
+    __u16 ws_unslotted;    /* helpers summed above but not in members[] (more than WS_SLOTS) */
+    __u16 ws_refused;      /* wakes refused by the WS_MAX cap */
+    __u8  ws_nslots;       /* members[] in use */
+    __u8  ws_flags;        /* WSF_* */
+    __u32 _pad2;
+    struct ws_member members[WS_SLOTS];
 };
 
 /* Per-CPU counters in the `counters` array map, by index. User space exports CNT_FOO as
@@ -94,6 +152,9 @@ struct http_record {
 #define CNT_NON_HTTP_CONNECTIONS 3 /* first reads on a connection that were not HTTP/1.x */
 #define CNT_REQUEST_STATE_LOST   4 /* request state evicted from the LRU before its response */
 #define CNT_READ_COPY_FAILED     5 /* bpf_probe_read_user failed on a request buffer */
-#define CNT_MAX                  8 /* size of the map: indices in use are below it */
+#define CNT_WORKSET_FULL         6 /* wakes refused: the work set already had WS_MAX threads */
+#define CNT_WORKSET_LOST         7 /* work sets evicted (or never created) before the response */
+#define CNT_WORKSET_REFS_FULL    8 /* threads in more than WS_REFS open work sets at once */
+#define CNT_MAX                 12 /* size of the map: indices in use are below it */
 
 #endif

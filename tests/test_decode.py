@@ -14,10 +14,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tracejoin.core import record
 from tracejoin.core.metrics import Metrics
+from tracejoin.core.record import WsMember
 from tracejoin.kernel.decode import HTTP_METHOD_MAX, REC_HTTP, HttpRecord, RecordDecoder
 from tracejoin.kernel.probes import bpf_source_dir
 
 FIELDS = [name for name, _ in HttpRecord._fields_]
+MEMBER_FIELDS = [name for name, _ in WsMember._fields_]
 HEADER = bpf_source_dir() / "http_record.h"
 # every object-like macro with a value (the include guard has none)
 CONSTANTS = re.findall(r"^#define[ \t]+([A-Z][A-Z0-9_]*)[ \t]+\S", HEADER.read_text(), re.M)
@@ -40,6 +42,10 @@ def c_contract(tmp_path_factory) -> dict[str, int]:
         'printf("sizeof %zu\\n", sizeof(struct http_record));',
     ]
     lines += [f'printf("{f} %zu\\n", offsetof(struct http_record, {f}));' for f in FIELDS]
+    lines += ['printf("ws_member.sizeof %zu\\n", sizeof(struct ws_member));']
+    lines += [
+        f'printf("ws_member.{f} %zu\\n", offsetof(struct ws_member, {f}));' for f in MEMBER_FIELDS
+    ]
     lines += [f'printf("{c} %lld\\n", (long long)({c}));' for c in CONSTANTS]
     lines += ["return 0; }"]
     src.write_text("\n".join(lines))
@@ -53,6 +59,9 @@ def test_size_and_every_offset_match_c(c_contract):
     assert ctypes.sizeof(HttpRecord) == c_contract["sizeof"]
     for name in FIELDS:
         assert getattr(HttpRecord, name).offset == c_contract[name], name
+    assert ctypes.sizeof(WsMember) == c_contract["ws_member.sizeof"]
+    for name in MEMBER_FIELDS:
+        assert getattr(WsMember, name).offset == c_contract[f"ws_member.{name}"], name
 
 
 def test_every_header_constant_has_the_same_value_in_python(c_contract):
@@ -76,13 +85,14 @@ def test_kernel_counter_names_follow_the_cnt_macros():
     assert set(record.KERNEL_COUNTER_HELP) == set(record.KERNEL_COUNTERS.values())
 
 
-def test_padding_is_explicit():
+@pytest.mark.parametrize("struct", [HttpRecord, WsMember])
+def test_padding_is_explicit(struct):
     # every byte is a named field: no compiler-inserted holes
     end = 0
-    for name, ctype in HttpRecord._fields_:
-        assert getattr(HttpRecord, name).offset == end, name
+    for name, ctype in struct._fields_:
+        assert getattr(struct, name).offset == end, name
         end += ctypes.sizeof(ctype)
-    assert end == ctypes.sizeof(HttpRecord)
+    assert end == ctypes.sizeof(struct)
 
 
 def test_bpf_sources_ship_with_the_package():
@@ -115,6 +125,14 @@ def test_decoder_never_raises(data):
         assert len(rec.method_bytes()) <= HTTP_METHOD_MAX
         rec.path_bytes()
         rec.traceparent_bytes()
+
+
+def test_member_comm_stops_at_nul_and_is_bounded() -> None:
+    m = WsMember()
+    ctypes.memmove(ctypes.addressof(m) + WsMember.comm.offset, b"worker-1\x00junk", 13)
+    assert m.comm_bytes() == b"worker-1"
+    ctypes.memmove(ctypes.addressof(m) + WsMember.comm.offset, b"x" * 16, 16)
+    assert m.comm_bytes() == b"x" * 16  # a full name has no NUL: the field bounds it
 
 
 def test_method_and_path_bytes_keep_nul_and_control_bytes() -> None:

@@ -16,6 +16,9 @@ HTTP_METHOD_MAX = 8
 HTTP_PATH_MAX = 96
 TP_CAP = 56
 RUNQ_SLOTS = 4
+WS_SLOTS = 4
+WS_MAX = 8
+WS_REFS = 4
 
 # record flags (REQF_*)
 REQF_TP_WINDOW = 0x0001
@@ -34,6 +37,23 @@ HDR_WINDOW = 4096
 MAX_PENDING = 8
 LRU_ENTRIES = 16384
 RINGBUF_PAGES = 256
+WS_ENTRIES = 4096
+
+# signals a work-set member accumulates (WSIG_*): indices into HttpRecord.shared
+WSIG_ONCPU = 0
+WSIG_RUNQ = 1
+WSIG_OFFCPU = 2
+WSIG_MINFLT = 3
+WSIG_MAJFLT = 4
+WSIG_TLB_A = 5
+WSIG_TLB_B = 6
+WSIG_SWITCHES = 7
+WSIG_COUNT = 8
+
+# HttpRecord.ws_flags (WSF_*)
+WSF_TRACKED = 0x01
+WSF_CAP = 0x02
+WSF_NO_GAP = 0x04
 
 # slots of the `progs` prog_array
 PROG_SCAN_REQ = 0
@@ -47,7 +67,10 @@ CNT_PIPELINE_SLOTS_FULL = 2
 CNT_NON_HTTP_CONNECTIONS = 3
 CNT_REQUEST_STATE_LOST = 4
 CNT_READ_COPY_FAILED = 5
-CNT_MAX = 8
+CNT_WORKSET_FULL = 6
+CNT_WORKSET_LOST = 7
+CNT_WORKSET_REFS_FULL = 8
+CNT_MAX = 12
 
 # CNT_FOO is exported as `kernel_foo`: index -> name, and each name's help text.
 KERNEL_COUNTERS: dict[int, str] = {
@@ -57,6 +80,9 @@ KERNEL_COUNTERS: dict[int, str] = {
     CNT_NON_HTTP_CONNECTIONS: "non_http_connections",
     CNT_REQUEST_STATE_LOST: "request_state_lost",
     CNT_READ_COPY_FAILED: "read_copy_failed",
+    CNT_WORKSET_FULL: "workset_full",
+    CNT_WORKSET_LOST: "workset_lost",
+    CNT_WORKSET_REFS_FULL: "workset_refs_full",
 }
 KERNEL_COUNTER_HELP: dict[str, str] = {
     "records_submitted": "Records the kernel tried to emit (one per request)",
@@ -65,11 +91,38 @@ KERNEL_COUNTER_HELP: dict[str, str] = {
     "non_http_connections": "Connections whose first read was not an HTTP/1.x request",
     "request_state_lost": "Requests whose kernel state was evicted before their response",
     "read_copy_failed": "Request buffers the kernel could not copy",
+    "workset_full": "Wakes not followed: the request's work set already had WS_MAX threads",
+    "workset_lost": "Requests whose work set was lost before their response (no work-set values)",
+    "workset_refs_full": "Threads that joined more than WS_REFS open work sets at once",
 }
 
 
 class RunqWait(ctypes.Structure):
     _fields_ = (("start_ns", ctypes.c_uint64), ("dur_ns", ctypes.c_uint64))
+
+
+class WsMember(ctypes.Structure):
+    """Mirror of struct ws_member: one helper thread of a request's work set."""
+
+    _fields_ = (
+        ("tid", ctypes.c_uint32),
+        ("pid", ctypes.c_uint32),
+        ("comm", ctypes.c_char * 16),
+        ("join_ns", ctypes.c_uint64),
+        ("leave_ns", ctypes.c_uint64),
+        ("oncpu_ns", ctypes.c_uint64),
+        ("shared_oncpu_ns", ctypes.c_uint64),
+        ("runq_ns", ctypes.c_uint64),
+        ("minflt", ctypes.c_uint32),
+        ("majflt", ctypes.c_uint32),
+        ("tlb_a", ctypes.c_uint32),
+        ("tlb_b", ctypes.c_uint32),
+    )
+
+    def comm_bytes(self) -> bytes:
+        """The thread name as the kernel holds it (up to 16 bytes, NUL-terminated)."""
+        raw = ctypes.string_at(ctypes.addressof(self) + WsMember.comm.offset, 16)
+        return raw.split(b"\0", 1)[0]
 
 
 class HttpRecord(ctypes.Structure):
@@ -117,6 +170,20 @@ class HttpRecord(ctypes.Structure):
         ("srtt_us", ctypes.c_uint32),
         ("unacked_max", ctypes.c_uint32),
         ("runq", RunqWait * RUNQ_SLOTS),
+        ("oncpu_ns", ctypes.c_uint64),
+        ("helper_oncpu_ns", ctypes.c_uint64),
+        ("unexplained_wait_ns", ctypes.c_uint64),
+        ("shared_apportioned_ns", ctypes.c_uint64),
+        ("shared", ctypes.c_uint64 * WSIG_COUNT),
+        ("ws_threads", ctypes.c_uint16),
+        ("ws_processes", ctypes.c_uint16),
+        ("ws_shared_with_max", ctypes.c_uint16),
+        ("ws_unslotted", ctypes.c_uint16),
+        ("ws_refused", ctypes.c_uint16),
+        ("ws_nslots", ctypes.c_uint8),
+        ("ws_flags", ctypes.c_uint8),
+        ("_pad2", ctypes.c_uint32),
+        ("members", WsMember * WS_SLOTS),
     )
 
     def method_str(self) -> str:

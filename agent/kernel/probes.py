@@ -19,6 +19,7 @@ from typing import Any
 
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.record import CNT_MAX, KERNEL_COUNTERS, PROG_SCAN_REQ, PROG_SCAN_RESP
+from tracejoin.kernel.btf import BtfError, member_offsets
 from tracejoin.kernel.perf import perf_event_open_check
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,22 @@ OPTIONAL_SIGNALS: tuple[OptionalSignal, ...] = (
     OptionalSignal(
         "tlb_flush", "WITH_TLB_FLUSH", ("tlb:tlb_flush",), "TLB flush counts (fallback when no PMU)"
     ),
+    # Needs `sched` too (on-CPU and blocked time come from sched_switch/sched_wakeup). The irq
+    # and timer pairs mark interrupt context, whose wakes name no cause (bpf/http_workset.h).
+    OptionalSignal(
+        "workset",
+        "WITH_WORKSET",
+        (
+            "sched:sched_waking",
+            "irq:irq_handler_entry",
+            "irq:irq_handler_exit",
+            "irq:softirq_entry",
+            "irq:softirq_exit",
+            "timer:hrtimer_expire_entry",
+            "timer:hrtimer_expire_exit",
+        ),
+        "the request's work set: threads and processes it woke (thread pools, worker processes)",
+    ),
 )
 OPTIONAL_TRACEPOINTS: tuple[str, ...] = tuple(
     tp for sig in OPTIONAL_SIGNALS for tp in sig.tracepoints
@@ -98,8 +115,19 @@ KNOBS = frozenset(
         "TLB_HW",
         "NCPU",
         "RUNQ_THRESHOLD_NS",
+        "TASK_FLAGS_OFF",
+        "TASK_PID_OFF",
+        "TASK_TGID_OFF",
+        "TASK_COMM_OFF",
     }
 )
+# task_struct members the work set reads from a woken task (bpf/http_workset.h), by knob
+TASK_MEMBERS = {
+    "flags": "TASK_FLAGS_OFF",
+    "pid": "TASK_PID_OFF",
+    "tgid": "TASK_TGID_OFF",
+    "comm": "TASK_COMM_OFF",
+}
 CFLAGS = ("-Wno-macro-redefined",)
 
 # perf_event_attr.config for PERF_TYPE_HW_CACHE: cache | (op << 8) | (result << 16)
@@ -144,6 +172,7 @@ class ProbeConfig:
     disabled_tracepoints: frozenset[str] = frozenset()
     tlb_hardware: bool | None = None  # None: use the PMU when it opens
     page_faults: bool = True
+    workset: bool = True  # follow the work into the threads a request wakes (needs sched)
 
 
 @dataclass
@@ -198,6 +227,12 @@ class HttpProbes:
             ]
             if absent:
                 self.status.signals[sig.name] = f"off: tracepoint {', '.join(absent)} missing"
+            elif sig.name == "workset" and not cfg.workset:
+                self.status.signals[sig.name] = "off: disabled by configuration"
+            elif sig.name == "workset" and "WITH_SCHED" not in knobs:
+                self.status.signals[sig.name] = "off: needs the sched signal"
+            elif sig.name == "workset" and (why := _task_offsets(knobs)):
+                self.status.signals[sig.name] = f"off: {why}"
             else:
                 self.status.signals[sig.name] = "on"
                 knobs[sig.define] = None
@@ -321,6 +356,8 @@ class HttpProbes:
             return
         for tp in list(bpf.tracepoint_fds):
             bpf.detach_tracepoint(tp)
+        for raw in list(bpf.raw_tracepoint_fds):
+            bpf.detach_raw_tracepoint(raw)
         for ev_type, ev_config in list(bpf.open_perf_events):
             bpf.detach_perf_event(ev_type, ev_config)
 
@@ -340,12 +377,26 @@ class HttpProbes:
         if self._bpf is None:
             return {}
         bpf: Any = self._bpf
-        return {name: len(list(bpf[name.encode()].keys())) for name in ("conns", "reqs", "threads")}
+        names = ["conns", "reqs", "threads"]
+        if self.status.signals.get("workset") == "on":
+            names.append("worksets")
+        return {name: len(list(bpf[name.encode()].keys())) for name in names}
 
     def shutdown(self) -> None:
         bpf, self._bpf = self._bpf, None
         if bpf is not None:
             bpf.cleanup()  # type: ignore[attr-defined]
+
+
+def _task_offsets(knobs: dict[str, int | None]) -> str | None:
+    """Add the task_struct offsets the work set needs to knobs; or say why they are unknown."""
+    try:
+        offsets = member_offsets("task_struct", tuple(TASK_MEMBERS))
+    except BtfError as exc:
+        return f"task_struct offsets not found in the kernel's BTF ({exc})"
+    for member, knob in TASK_MEMBERS.items():
+        knobs[knob] = offsets[member]
+    return None
 
 
 def pmu_tlb_available() -> bool:

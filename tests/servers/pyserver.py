@@ -2,6 +2,7 @@
 
 MODE
   threaded   stdlib ThreadingHTTPServer speaking HTTP/1.1 keep-alive
+  workers    the same, its accept loop never waking on a timer, with the hand-off endpoints below
   aiohttp    an asyncio server (aiohttp)
   rawchunks  accepts, reads the request in CHUNK-byte reads (env CHUNK), answers 200
   slowread   accepts, waits until the request has arrived, sleeps SLEEP_MS (env), then reads
@@ -12,6 +13,12 @@ Endpoints (threaded and aiohttp): /sleep?ms=N, /pages?n=N (touch N fresh pages),
 /tlb?n=N (N mmap/munmap rounds while a second thread runs: TLB shootdowns), /spin?ms=N
 (burn CPU for N ms of wall time), /file?kb=N
 (the body sent with sendfile(2); threaded only), anything else: 200 "ok".
+Hand-offs (work set tests; threaded, workers): /pool?n=N (a ThreadPoolExecutor worker touches N
+pages, the handler waits), /procpool?n=N (the same in a ProcessPoolExecutor worker process),
+/fanout?k=K&n=N (K pool threads touch N pages each, the handler waits for all), /bg?n=N&ms=M
+(wakes a background thread that sleeps M ms, then touches N pages; the handler does not wait).
+aiohttp only: /apages?n=N&chunks=C (touch N pages in C chunks on the loop, yielding 5 ms between
+chunks), /asleep?ms=N (await a sleep: open, doing nothing).
 Prints "ready" on stdout once listening.
 """
 
@@ -19,12 +26,14 @@ from __future__ import annotations
 
 import mmap
 import os
+import queue
 import select
 import socket
 import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, wait
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
@@ -55,6 +64,27 @@ def tlb_churn(n: int) -> None:
 
 
 _FILES: dict[int, str] = {}
+_POOLS: dict[str, ThreadPoolExecutor | ProcessPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+_BG: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+_BG_STARTED = threading.Event()
+
+
+def pool(kind: str, workers: int) -> ThreadPoolExecutor | ProcessPoolExecutor:
+    with _POOLS_LOCK:
+        key = f"{kind}{workers}"
+        if key not in _POOLS:
+            cls = ProcessPoolExecutor if kind == "proc" else ThreadPoolExecutor
+            _POOLS[key] = cls(max_workers=workers)
+        return _POOLS[key]
+
+
+def background() -> None:
+    """Sleeps until a handler hands it (pages, delay_ms); works after the response."""
+    while True:
+        n, ms = _BG.get()
+        time.sleep(ms / 1000)
+        touch_pages(n)
 
 
 def body_file(kb: int) -> str:
@@ -79,6 +109,20 @@ def handle(path: str) -> tuple[int, bytes]:
         end = time.perf_counter() + int(q.get("ms", "0")) / 1000
         while time.perf_counter() < end:
             pass
+    elif url.path == "/pool":
+        pool("thread", 2).submit(touch_pages, int(q.get("n", "0"))).result()
+    elif url.path == "/procpool":
+        pool("proc", 2).submit(touch_pages, int(q.get("n", "0"))).result()
+    elif url.path == "/fanout":
+        k = int(q.get("k", "1"))
+        ex = pool("thread", k)
+        wait([ex.submit(touch_pages, int(q.get("n", "0"))) for _ in range(k)])
+    elif url.path == "/bg":
+        with _POOLS_LOCK:
+            if not _BG_STARTED.is_set():  # started once, on first use
+                threading.Thread(target=background, daemon=True).start()
+                _BG_STARTED.set()
+        _BG.put((int(q.get("n", "0")), int(q.get("ms", "0"))))
     elif url.path == "/error":
         return 503, b"unavailable\n"
     return 200, b"ok\n"
@@ -114,17 +158,31 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
-def serve_threaded(port: int) -> None:
+def serve_threaded(port: int, poll_interval: float = 0.5) -> None:
     srv = ThreadingHTTPServer((os.environ.get("BIND", "127.0.0.1"), port), Handler)
     srv.daemon_threads = True
     print("ready", flush=True)
-    srv.serve_forever()
+    # workers: the accept loop never wakes on its own, so it never takes the GIL from a handler
+    # (a GIL hand-off is a wake, and would add it to that request's work set)
+    srv.serve_forever(poll_interval=poll_interval)
 
 
 def serve_aiohttp(port: int) -> None:
+    import asyncio
+
     from aiohttp import web
 
     async def any_path(request: web.Request) -> web.Response:
+        q = request.rel_url.query
+        if request.path == "/apages":
+            n, chunks = int(q.get("n", "0")), int(q.get("chunks", "1"))
+            for _ in range(chunks):
+                touch_pages(n // chunks)
+                await asyncio.sleep(0.005)
+            return web.Response(body=b"ok\n")
+        if request.path == "/asleep":
+            await asyncio.sleep(int(q.get("ms", "0")) / 1000)
+            return web.Response(body=b"ok\n")
         code, body = handle(str(request.rel_url))
         return web.Response(status=code, body=body)
 
@@ -169,6 +227,8 @@ def main() -> None:
     mode, port = sys.argv[1], int(sys.argv[2])
     if mode == "threaded":
         serve_threaded(port)
+    elif mode == "workers":
+        serve_threaded(port, poll_interval=3600)
     elif mode == "aiohttp":
         serve_aiohttp(port)
     else:

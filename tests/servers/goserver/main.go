@@ -1,4 +1,6 @@
-// A net/http server the tests control: /sleep?ms=N, anything else 200 "ok".
+// A net/http server the tests control: /sleep?ms=N; /chan?n=N (the handler passes a job to a
+// worker goroutine through a channel and waits for its reply; the worker touches N fresh pages);
+// anything else 200 "ok".
 // Usage: goserver PORT. Prints "ready" once listening.
 package main
 
@@ -11,16 +13,40 @@ import (
 	"time"
 )
 
+type job struct {
+	pages int
+	done  chan struct{}
+}
+
+// worker touches the pages of each job it receives, then replies on the job's channel.
+func worker(jobs <-chan job) {
+	for j := range jobs {
+		buf := make([]byte, j.pages*os.Getpagesize())
+		for i := 0; i < len(buf); i += os.Getpagesize() {
+			buf[i] = 1
+		}
+		j.done <- struct{}{}
+	}
+}
+
 func main() {
+	jobs := make(chan job)
+	go worker(jobs)
 	ln, err := net.Listen("tcp", "127.0.0.1:"+os.Args[1])
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
 	http.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path == "/sleep" {
+		switch r.URL.Path {
+		case "/sleep":
 			ms, _ := strconv.Atoi(r.URL.Query().Get("ms"))
 			time.Sleep(time.Duration(ms) * time.Millisecond)
+		case "/chan":
+			n, _ := strconv.Atoi(r.URL.Query().Get("n"))
+			j := job{pages: n, done: make(chan struct{})}
+			jobs <- j
+			<-j.done
 		}
 		w.Header().Set("Content-Type", "text/plain")
 		w.Write([]byte("ok\n"))

@@ -1,0 +1,542 @@
+/* The work set of a request (docs/attributes.md "Work set", DESIGN principle 5): the thread that
+ * read it, plus every thread a member wakes while the request is open, until that thread wakes
+ * a member back (the reply) or the response ends. Part of the bpf/http.c compile unit.
+ *
+ * sched:sched_waking runs in the waker's context, so futex, condition variable, pipe, eventfd,
+ * unix socket and loopback TCP hand-offs all name who handed work to whom; sched_wakeup_new
+ * does the same for a thread or process a member creates. Both are attached as raw tracepoints
+ * for the woken task's flags and process, at offsets from the running kernel's BTF.
+ *
+ * Cost: every sched and fault program starts with one `threads` lookup, and a thread in no open
+ * work set (nopen == 0) stops there. Per event a thread only adds to its own running totals
+ * (tstat.tot, .sh, .appt); a request takes their differences when a member joins and leaves. The
+ * on-CPU slice is re-based only when the count of open requests on the thread changes
+ * (flush_oncpu), so an event costs O(1) however many requests share the thread.
+ *
+ * Shared threads: while a thread works for more than one open request (an event loop, a batching
+ * worker, a GIL hand-off between two handlers) everything it does is counted in tstat.sh too. A
+ * request's own values are its members' totals less their shared parts; the shared parts are
+ * reported apart (http_record.shared), never as the request's own.
+ */
+
+/* ---------------------------------------------------------------- per-thread accounting */
+
+static __always_inline void acct(struct tstat *t, u32 sig, u64 v)
+{
+    u32 k = sig & (WSIG_COUNT - 1);
+    t->tot[k] += v;
+    if (t->nopen > 1)
+        t->sh[k] += v;
+}
+
+/* Close the thread's running on-CPU slice at `now` under its current open-request count. */
+static __always_inline void flush_oncpu(struct tstat *t, u64 now)
+{
+    u64 since = t->oncpu_ts;
+    if (!since || now <= since)
+        return;
+    u64 d = now - since;
+    t->oncpu_ts = now;
+    acct(t, WSIG_ONCPU, d);
+    u32 n = t->nopen;
+    if (n > 1)
+        t->appt += d / n;
+}
+
+/* The thread's totals, created zeroed when missing. `running`: it is the current thread, so its
+ * on-CPU slice starts now; otherwise it is being woken (it sleeps until sched_wakeup says not). */
+static __always_inline struct tstat *thread_for(u32 tid, int running, u64 now)
+{
+    struct tstat *t = threads.lookup(&tid);
+    if (t)
+        return t;
+    int z = 0;
+    struct tstat *zero = zero_thread.lookup(&z);
+    if (!zero)
+        return 0;
+    threads.insert(&tid, zero);
+    t = threads.lookup(&tid);
+    if (!t)
+        return 0;
+    if (running) {
+        t->oncpu_ts = now;
+        t->tgid = bpf_get_current_pid_tgid() >> 32;
+    } else {
+        t->asleep = 1;
+    }
+    return t;
+}
+
+#ifdef WITH_WORKSET
+/* ---------------------------------------------------------------- work sets */
+
+#define WS_NO_SLOT 0xff
+#define PF_KTHREAD_ 0x00200000  /* task_struct.flags: a kernel thread */
+#define NET_TX_SOFTIRQ_ 2
+#define NET_RX_SOFTIRQ_ 3
+
+struct ws_key {
+    u64 conn_id;
+    u64 seq;
+};
+
+/* A member, with its totals when it (last) joined. */
+struct ws_mem {
+    u32 tid;
+    u32 pid;                    /* its process; 0 until the thread has been seen running */
+    u8 left;                    /* woke a member back, or the response ended */
+    u8 slot;                    /* index in slots[]; WS_NO_SLOT for the reader and the unslotted */
+    u8 reffed;                  /* the thread holds a ws_ref to this set */
+    u8 parent;                  /* the member whose wake added it (the reader: itself) */
+    u8 _pad[4];
+    u64 base_tot[WSIG_COUNT];
+    u64 base_sh[WSIG_COUNT];
+    u64 base_appt;
+};
+
+struct workset {
+    u32 n;                      /* members in m[], the reader first */
+    u32 pid;                    /* the reader's process and ... */
+    u32 fd;                     /* ... the connection's fd in it */
+    u32 helpers_awake;          /* members other than the reader that are not blocked */
+    u32 reader_blocked;
+    u16 shared_max;
+    u16 unslotted;
+    u16 refused;
+    u8 nslots;
+    u8 flags;                   /* WSF_* */
+    u32 _pad;
+    u64 gap_ts;                 /* reader blocked and no helper awake since; 0: not now */
+    u64 unexplained;
+    u64 tot[WSIG_COUNT];        /* differences of members that have left, summed */
+    u64 sh[WSIG_COUNT];
+    u64 appt;
+    u64 helper_oncpu;           /* own on-CPU of members other than the reader */
+    struct ws_member slots[WS_SLOTS];
+    struct ws_mem m[WS_MAX];
+};
+
+/* Kernel-private to the work set, so declared here rather than in http.c. */
+BPF_TABLE("lru_hash", struct ws_key, struct workset, worksets, WS_ENTRIES);
+BPF_PERCPU_ARRAY(zero_ws, struct workset, 1);           /* never written: a zeroed template */
+BPF_PERCPU_ARRAY(irqctx, u32, 1);                       /* interrupt nesting depth per CPU */
+
+/* The unexplained wait: the reader is blocked and no other member is runnable. Re-evaluated at
+ * each change of either, so it costs O(1) per transition. */
+static __always_inline void ws_gap(struct workset *ws, u64 now)
+{
+    int open = ws->reader_blocked && ws->helpers_awake == 0;
+    if (open && !ws->gap_ts) {
+        ws->gap_ts = now;
+    } else if (!open && ws->gap_ts) {
+        if (now > ws->gap_ts)
+            ws->unexplained += now - ws->gap_ts;
+        ws->gap_ts = 0;
+    }
+}
+
+static __always_inline int ref_add(struct tstat *t, struct ws_key *key, u32 idx)
+{
+#pragma unroll
+    for (int r = 0; r < WS_REFS; r++) {
+        if (t->refs[r].conn_id == 0) {
+            t->refs[r].conn_id = key->conn_id;
+            t->refs[r].seq = key->seq;
+            t->refs[r].idx = idx;
+            return 1;
+        }
+    }
+    count(CNT_WORKSET_REFS_FULL);
+    return 0;
+}
+
+static __always_inline void ref_drop(struct tstat *t, struct ws_key *key)
+{
+#pragma unroll
+    for (int r = 0; r < WS_REFS; r++)
+        if (t->refs[r].conn_id == key->conn_id && t->refs[r].seq == key->seq)
+            t->refs[r].conn_id = 0;
+}
+
+/* A set in t's references that no longer exists ended without reaching t (evicted, or its
+ * request's state was lost): t no longer works for it. */
+static __always_inline void ref_stale(struct tstat *t, int r, u64 now)
+{
+    t->refs[r & (WS_REFS - 1)].conn_id = 0;
+    if (t->nopen) {
+        flush_oncpu(t, now);
+        t->nopen--;
+    }
+}
+
+/* t's open-request count just rose: every set it is in now shares it with nopen - 1 others. */
+static __always_inline void ws_note_sharing(struct tstat *t, struct workset *self)
+{
+    u32 others = t->nopen - 1;
+    if (others > 0xffff)
+        others = 0xffff;
+    if (self->shared_max < others)
+        self->shared_max = others;
+    if (!others)
+        return;
+#pragma unroll
+    for (int r = 0; r < WS_REFS; r++) {
+        struct ws_key k = {.conn_id = t->refs[r].conn_id, .seq = t->refs[r].seq};
+        if (!k.conn_id)
+            continue;
+        struct workset *o = worksets.lookup(&k);
+        if (o && o->shared_max < others)
+            o->shared_max = others;
+    }
+}
+
+/* Member i (thread t) starts working for the set: take its totals as the base. */
+static __always_inline void ws_begin(struct workset *ws, struct ws_key *key, u32 i,
+                                     struct tstat *t, u32 parent, u64 now)
+{
+    struct ws_mem *m = &ws->m[i & (WS_MAX - 1)];
+    m->parent = parent;
+    flush_oncpu(t, now);        /* the slice so far belongs to the old count */
+    if (t->sleep_ts && now > t->sleep_ts) {
+        /* the sleep it is being woken from began before it worked for the set: not the set's */
+        acct(t, WSIG_OFFCPU, now - t->sleep_ts);
+        t->sleep_ts = now;
+    }
+    t->nopen++;
+    m->left = 0;
+    if (!m->pid)
+        m->pid = t->tgid;
+#pragma unroll
+    for (int s = 0; s < WSIG_COUNT; s++) {
+        m->base_tot[s] = t->tot[s];
+        m->base_sh[s] = t->sh[s];
+    }
+    m->base_appt = t->appt;
+    m->reffed = ref_add(t, key, i);
+    ws_note_sharing(t, ws);
+    if (i != 0 && m->reffed && !t->asleep) {
+        ws->helpers_awake++;
+        ws_gap(ws, now);
+    }
+}
+
+/* A new member: thread `tid` (totals t). The first one is the reader. */
+static __always_inline void ws_add(struct workset *ws, struct ws_key *key, u32 tid,
+                                   struct tstat *t, u32 parent, const char *comm, u64 now)
+{
+    u32 n = ws->n;
+    if (n >= WS_MAX) {
+        ws->refused++;
+        ws->flags |= WSF_CAP;
+        count(CNT_WORKSET_FULL);
+        return;
+    }
+    struct ws_mem *m = &ws->m[n & (WS_MAX - 1)];
+    m->tid = tid;
+    m->pid = t->tgid;
+    m->slot = WS_NO_SLOT;
+    if (n > 0) {
+        u32 s = ws->nslots;
+        if (s < WS_SLOTS) {
+            struct ws_member *o = &ws->slots[s & (WS_SLOTS - 1)];
+            o->tid = tid;
+            o->join_ns = now;
+            if (comm)
+                __builtin_memcpy(o->comm, comm, sizeof(o->comm));
+            m->slot = s;
+            ws->nslots = s + 1;
+        } else {
+            ws->unslotted++;
+        }
+    }
+    ws->n = n + 1;
+    ws_begin(ws, key, n, t, parent, now);
+}
+
+/* What member m's thread did for the set alone since it joined: its total less the shared part. */
+static __always_inline u64 own_delta(struct tstat *t, struct ws_mem *m, u32 sig)
+{
+    u32 k = sig & (WSIG_COUNT - 1);
+    return (t->tot[k] - m->base_tot[k]) - (t->sh[k] - m->base_sh[k]);
+}
+
+/* Member i stops working for the set at `now`: add what it did since it joined. t may be gone
+ * (evicted), and then what it did is lost, not guessed. */
+static __always_inline void ws_end(struct workset *ws, struct ws_key *key, u32 i,
+                                   struct tstat *t, u64 now)
+{
+    struct ws_mem *m = &ws->m[i & (WS_MAX - 1)];
+    if (m->left)
+        return;
+    m->left = 1;
+    if (!t)
+        return;
+    flush_oncpu(t, now);
+    if (!m->pid)
+        m->pid = t->tgid;
+#pragma unroll
+    for (int s = 0; s < WSIG_COUNT; s++) {
+        ws->tot[s] += t->tot[s] - m->base_tot[s];
+        ws->sh[s] += t->sh[s] - m->base_sh[s];
+    }
+    ws->appt += t->appt - m->base_appt;
+    u64 oncpu = t->tot[WSIG_ONCPU] - m->base_tot[WSIG_ONCPU];
+    u64 oncpu_sh = t->sh[WSIG_ONCPU] - m->base_sh[WSIG_ONCPU];
+    if (i != 0)
+        ws->helper_oncpu += oncpu - oncpu_sh;
+    u32 slot = m->slot;
+    if (slot < WS_SLOTS) {
+        struct ws_member *o = &ws->slots[slot & (WS_SLOTS - 1)];
+        o->pid = m->pid;
+        o->leave_ns = now;
+        o->oncpu_ns += oncpu - oncpu_sh;
+        o->shared_oncpu_ns += oncpu_sh;
+        o->runq_ns += own_delta(t, m, WSIG_RUNQ);
+        o->minflt += own_delta(t, m, WSIG_MINFLT);
+        o->majflt += own_delta(t, m, WSIG_MAJFLT);
+        o->tlb_a += own_delta(t, m, WSIG_TLB_A);
+        o->tlb_b += own_delta(t, m, WSIG_TLB_B);
+    }
+    if (m->reffed) {
+        ref_drop(t, key);
+        m->reffed = 0;
+        if (i != 0 && !t->asleep && ws->helpers_awake) {
+            ws->helpers_awake--;
+            ws_gap(ws, now);
+        }
+    }
+    if (t->nopen)
+        t->nopen--;
+}
+
+static __always_inline int ws_find(struct workset *ws, u32 tid)
+{
+    int found = -1;
+    u32 n = ws->n;
+#pragma unroll
+    for (int k = 0; k < WS_MAX; k++)
+        if (k < n && ws->m[k].tid == tid)
+            found = k;
+    return found;
+}
+
+/* The request was read by the current thread (totals t): open its set with the reader. */
+static __always_inline void ws_open(struct http_record *rec, struct tstat *t, u64 now)
+{
+    struct ws_key key = {.conn_id = rec->conn_id, .seq = rec->seq};
+    int z = 0;
+    struct workset *zero = zero_ws.lookup(&z);
+    if (!key.conn_id || !zero)
+        return;
+    if (worksets.update(&key, zero) != 0)
+        return;                 /* counted as lost when the response ends */
+    struct workset *ws = worksets.lookup(&key);
+    if (!ws)
+        return;
+    ws->pid = rec->pid;
+    ws->fd = rec->fd;
+    t->tgid = rec->pid;
+    ws_add(ws, &key, rec->tid, t, 0, 0, now);
+    if (!ws->m[0].reffed)
+        ws->flags |= WSF_NO_GAP;
+}
+
+/* The response ended at end_ns: every member still in the set leaves; the sums go to the
+ * record. The record's enrichment fields stay zero without WSF_TRACKED (the set was lost). */
+static __always_inline void ws_finish(struct http_record *rec, u64 end_ns)
+{
+    struct ws_key key = {.conn_id = rec->conn_id, .seq = rec->seq};
+    struct workset *ws = worksets.lookup(&key);
+    if (!ws) {
+        count(CNT_WORKSET_LOST);
+        return;
+    }
+    u32 n = ws->n;
+    u32 procs = 0;
+    /* Real bounded loops, not unrolled: this runs inside the scanners and the close path, and
+     * eight inlined copies of ws_end would not fit the BPF stack. */
+#pragma clang loop unroll(disable)
+    for (u32 i = 0; i < WS_MAX; i++) {
+        if (i >= *(volatile u32 *)&ws->n)  /* re-read, so the bound the verifier sees is WS_MAX */
+            break;
+        struct ws_mem *m = &ws->m[i & (WS_MAX - 1)];
+        if (!m->left) {
+            u32 tid = m->tid;
+            ws_end(ws, &key, i, threads.lookup(&tid), end_ns);
+        }
+        u32 p = m->pid;
+        int first = p != 0;
+#pragma unroll
+        for (u32 k = 0; k < WS_MAX; k++)
+            if (k < i && ws->m[k].pid == p)
+                first = 0;
+        procs += first;
+    }
+    if (ws->gap_ts && end_ns > ws->gap_ts)
+        ws->unexplained += end_ns - ws->gap_ts;
+    rec->runq_ns = ws->tot[WSIG_RUNQ] - ws->sh[WSIG_RUNQ];
+    rec->offcpu_ns = ws->tot[WSIG_OFFCPU] - ws->sh[WSIG_OFFCPU];
+    rec->tlb_a = ws->tot[WSIG_TLB_A] - ws->sh[WSIG_TLB_A];
+    rec->tlb_b = ws->tot[WSIG_TLB_B] - ws->sh[WSIG_TLB_B];
+    rec->minflt = ws->tot[WSIG_MINFLT] - ws->sh[WSIG_MINFLT];
+    rec->majflt = ws->tot[WSIG_MAJFLT] - ws->sh[WSIG_MAJFLT];
+    rec->nr_switches = ws->tot[WSIG_SWITCHES] - ws->sh[WSIG_SWITCHES];
+    rec->oncpu_ns = ws->tot[WSIG_ONCPU] - ws->sh[WSIG_ONCPU];
+    rec->helper_oncpu_ns = ws->helper_oncpu;
+    rec->unexplained_wait_ns = ws->unexplained;
+    rec->shared_apportioned_ns = ws->appt;
+#pragma unroll
+    for (int s = 0; s < WSIG_COUNT; s++)
+        rec->shared[s] = ws->sh[s];
+    rec->ws_threads = n;
+    rec->ws_processes = procs;
+    rec->ws_shared_with_max = ws->shared_max;
+    rec->ws_unslotted = ws->unslotted;
+    rec->ws_refused = ws->refused;
+    rec->ws_nslots = ws->nslots;
+    rec->ws_flags = ws->flags | WSF_TRACKED;
+    __builtin_memcpy(rec->members, ws->slots, sizeof(rec->members));
+    worksets.delete(&key);
+}
+
+/* The thread (totals t) blocked (asleep) or was woken: the reader's state and the count of
+ * awake helpers of every set it is in, for the unexplained wait. */
+static __always_inline void ws_blocked(struct tstat *t, u32 asleep, u64 now)
+{
+#pragma unroll
+    for (int r = 0; r < WS_REFS; r++) {
+        struct ws_key k = {.conn_id = t->refs[r].conn_id, .seq = t->refs[r].seq};
+        if (!k.conn_id)
+            continue;
+        struct workset *ws = worksets.lookup(&k);
+        if (!ws) {
+            ref_stale(t, r, now);
+            continue;
+        }
+        if (t->refs[r].idx == 0)
+            ws->reader_blocked = asleep;
+        else if (asleep && ws->helpers_awake)
+            ws->helpers_awake--;
+        else if (!asleep)
+            ws->helpers_awake++;
+        ws_gap(ws, now);
+    }
+}
+
+/* Wakes from interrupt context name the interrupted task, not a cause: a timer ending someone's
+ * sleep, a device completing I/O. Network receive softirqs are kept: a loopback send delivers in
+ * the sender's own softirq, which is the hand-off we follow. */
+static __always_inline void irq_depth(int enter)
+{
+    int z = 0;
+    u32 *d = irqctx.lookup(&z);
+    if (!d)
+        return;
+    if (enter)
+        (*d)++;
+    else if (*d)
+        (*d)--;
+}
+
+TRACEPOINT_PROBE(irq, irq_handler_entry) { irq_depth(1); return 0; }
+TRACEPOINT_PROBE(irq, irq_handler_exit) { irq_depth(0); return 0; }
+TRACEPOINT_PROBE(timer, hrtimer_expire_entry) { irq_depth(1); return 0; }
+TRACEPOINT_PROBE(timer, hrtimer_expire_exit) { irq_depth(0); return 0; }
+TRACEPOINT_PROBE(irq, softirq_entry)
+{
+    if (args->vec != NET_RX_SOFTIRQ_ && args->vec != NET_TX_SOFTIRQ_)
+        irq_depth(1);
+    return 0;
+}
+TRACEPOINT_PROBE(irq, softirq_exit)
+{
+    if (args->vec != NET_RX_SOFTIRQ_ && args->vec != NET_TX_SOFTIRQ_)
+        irq_depth(0);
+    return 0;
+}
+
+/* The current thread wakes task p (or created it). For each open set the waker is in: a wakee
+ * outside the set joins it; waking the reader, or the member that handed it the work, is the
+ * reply, and the waker (unless it is the reader) leaves. p's fields are read at offsets the agent took from the running kernel's BTF
+ * (TASK_*_OFF), only after the early exit. */
+static __always_inline int ws_wake(void *p)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 me = (u32)id;
+    struct tstat *t = threads.lookup(&me);
+    if (!t || !t->nopen)
+        return 0;               /* the early exit: the waker is in no open work set */
+    int z = 0;
+    u32 *depth = irqctx.lookup(&z);
+    if (depth && *depth)
+        return 0;
+    u32 flags = 0, wakee = 0, wakee_pid = 0;
+    bpf_probe_read_kernel(&flags, sizeof(flags), p + TASK_FLAGS_OFF);
+    bpf_probe_read_kernel(&wakee, sizeof(wakee), p + TASK_PID_OFF);
+    bpf_probe_read_kernel(&wakee_pid, sizeof(wakee_pid), p + TASK_TGID_OFF);
+    /* kernel threads run deferred work for everyone (softirqs, workqueues): not the request's */
+    if ((flags & PF_KTHREAD_) || wakee == me || wakee == 0)
+        return 0;
+    u32 pid = id >> 32;
+    t->tgid = pid;
+    /* The waker reading or writing a served connection wakes that connection's client (the
+     * response arriving), not a helper. */
+    struct pending_io *io = pending_wr.lookup(&id);
+    if (!io)
+        io = pending_rd.lookup(&id);
+    if (io) {
+        u32 fd = io->fd;
+#pragma unroll
+        for (int r = 0; r < WS_REFS; r++) {
+            struct ws_key k = {.conn_id = t->refs[r].conn_id, .seq = t->refs[r].seq};
+            if (!k.conn_id)
+                continue;
+            struct workset *ws = worksets.lookup(&k);
+            if (ws && ws->pid == pid && ws->fd == fd)
+                return 0;
+        }
+    }
+    u64 now = bpf_ktime_get_ns();
+    char comm[16] = {};
+    bpf_probe_read_kernel(&comm, sizeof(comm), p + TASK_COMM_OFF);
+#pragma unroll
+    for (int r = 0; r < WS_REFS; r++) {
+        struct ws_key k = {.conn_id = t->refs[r].conn_id, .seq = t->refs[r].seq};
+        u32 my_idx = t->refs[r].idx;
+        if (!k.conn_id)
+            continue;
+        struct workset *ws = worksets.lookup(&k);
+        if (!ws) {
+            ref_stale(t, r, now);
+            continue;
+        }
+        int wi = ws_find(ws, wakee);
+        if (wi >= 0 && !ws->m[wi & (WS_MAX - 1)].left) {
+            /* The reply goes to the reader or to whoever handed this thread the work. A wake
+             * of any other member (a lock or GIL hand-off between two helpers) is no reply. */
+            if (my_idx != 0 && (wi == 0 || wi == ws->m[my_idx & (WS_MAX - 1)].parent)) {
+                ws_end(ws, &k, my_idx, t, now);
+                u32 slot = ws->m[my_idx & (WS_MAX - 1)].slot;
+                if (slot < WS_SLOTS)
+                    bpf_get_current_comm(&ws->slots[slot & (WS_SLOTS - 1)].comm,
+                                         sizeof(ws->slots[0].comm));
+            }
+            continue;
+        }
+        struct tstat *w = thread_for(wakee, 0, now);
+        if (!w)
+            continue;
+        w->tgid = wakee_pid;
+        if (wi >= 0)
+            ws_begin(ws, &k, wi, w, my_idx, now);   /* a member that had left is handed more */
+        else
+            ws_add(ws, &k, wakee, w, my_idx, comm, now);
+    }
+    return 0;
+}
+
+/* Raw tracepoints: their argument is the woken (or new) task itself, which the flags and process
+ * are read from; sched_waking fires in the waker's context, wake_up_new_task in the creator's. */
+RAW_TRACEPOINT_PROBE(sched_waking) { return ws_wake((void *)ctx->args[0]); }
+RAW_TRACEPOINT_PROBE(sched_wakeup_new) { return ws_wake((void *)ctx->args[0]); }
+#endif /* WITH_WORKSET */

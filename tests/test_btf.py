@@ -1,0 +1,88 @@
+"""Struct member offsets from BTF (agent/kernel/btf.py): a synthetic blob, bad input, and the
+running kernel's own type information checked against bpftool where both exist."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+from tracejoin.kernel.btf import VMLINUX_BTF, BtfError, member_offsets
+
+STRINGS = b"\0int\0a\0b\0task\0flags\0bits\0"
+
+
+def _name(s: str) -> int:
+    return STRINGS.index(b"\0" + s.encode() + b"\0") + 1
+
+
+def _blob(members_flag: int = 0) -> bytes:
+    """int; struct { int a; int b; } (anonymous); struct task { int flags; <anon> @8; int bits:3 }"""
+    t = struct.pack("<III", _name("int"), 1 << 24, 4) + struct.pack("<I", 32)
+    t += struct.pack("<III", 0, (4 << 24) | 2, 8)
+    t += struct.pack("<III", _name("a"), 1, 0) + struct.pack("<III", _name("b"), 1, 32)
+    t += struct.pack("<III", _name("task"), (4 << 24) | 3 | members_flag, 24)
+    t += struct.pack("<III", _name("flags"), 1, 0)
+    t += struct.pack("<III", 0, 2, 64)
+    bits = (3 << 24) | 128 if members_flag else 128
+    t += struct.pack("<III", _name("bits"), 1, bits)
+    hdr = struct.pack("<HBBIIIII", 0xEB9F, 1, 0, 24, 0, len(t), len(t), len(STRINGS))
+    return hdr + t + STRINGS
+
+
+def test_members_and_anonymous_members(tmp_path: Path) -> None:
+    f = tmp_path / "btf"
+    f.write_bytes(_blob())
+    assert member_offsets("task", ("flags", "a", "b"), f) == {"flags": 0, "a": 8, "b": 12}
+
+
+def test_a_bitfield_or_a_missing_member_is_refused(tmp_path: Path) -> None:
+    f = tmp_path / "btf"
+    f.write_bytes(_blob(members_flag=1 << 31))
+    with pytest.raises(BtfError, match="bitfield"):
+        member_offsets("task", ("bits",), f)
+    f.write_bytes(_blob())
+    with pytest.raises(BtfError, match="no member nope"):
+        member_offsets("task", ("nope",), f)
+    with pytest.raises(BtfError, match="not in"):
+        member_offsets("other", ("a",), f)
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [b"", b"\x9f\xeb" + b"\0" * 30, _blob()[:40], b"\0" * 64],
+    ids=["empty", "short-sections", "truncated", "bad-magic"],
+)
+def test_malformed_blobs_raise_btf_error(tmp_path: Path, blob: bytes) -> None:
+    f = tmp_path / "btf"
+    f.write_bytes(blob)
+    with pytest.raises(BtfError):
+        member_offsets("task", ("flags",), f)
+
+
+def test_missing_file_raises_btf_error(tmp_path: Path) -> None:
+    with pytest.raises(BtfError, match="cannot read"):
+        member_offsets("task_struct", ("flags",), tmp_path / "absent")
+
+
+def test_running_kernel_task_struct_matches_bpftool() -> None:
+    if not VMLINUX_BTF.exists():
+        pytest.skip(f"{VMLINUX_BTF} is missing: this kernel has no BTF")
+    ours = member_offsets("task_struct", ("flags", "pid", "tgid", "comm"))
+    assert ours["pid"] + 4 == ours["tgid"]  # adjacent pid_t fields in every kernel since 2.6
+    bpftool = shutil.which("bpftool")
+    if bpftool is None:
+        pytest.skip("bpftool is not installed to cross-check the offsets")
+    raw = subprocess.run(
+        [bpftool, "btf", "dump", "file", str(VMLINUX_BTF), "format", "raw"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    body = raw[raw.index("STRUCT 'task_struct' size") :]
+    for member, off in ours.items():
+        m = re.search(rf"'{member}' type_id=\d+ bits_offset=(\d+)", body)
+        assert m is not None and int(m.group(1)) == off * 8, member
