@@ -20,7 +20,7 @@ def _name(s: str) -> int:
 
 
 def _blob(members_flag: int = 0) -> bytes:
-    """int; struct { int a; int b; } (anonymous); struct task { int flags; <anon> @8; int bits:3 }"""
+    """int; struct { int a; int b; } (anonymous); struct task { int flags; <anon>; int bits:3 }"""
     t = struct.pack("<III", _name("int"), 1 << 24, 4) + struct.pack("<I", 32)
     t += struct.pack("<III", 0, (4 << 24) | 2, 8)
     t += struct.pack("<III", _name("a"), 1, 0) + struct.pack("<III", _name("b"), 1, 32)

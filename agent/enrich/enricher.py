@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import AttrValue, Resource
+from tracejoin.core.record import WS_SLOTS
 from tracejoin.enrich import traceparent
 from tracejoin.enrich.correlate import (
     ConnectionTable,
@@ -35,6 +36,8 @@ class EnrichedRecord:
     endpoints: Endpoints | None = None
     rejected: str | None = None  # why the traceparent was rejected, if it was
     gpu: dict[str, AttrValue] = field(default_factory=dict)  # filled by the GPU join
+    # process name of each work-set helper's process other than the reader's (by pid)
+    process_names: dict[int, str] = field(default_factory=dict)
 
     def epoch_ns(self, mono_ns: int) -> int:
         return mono_ns + self.clock_offset_ns
@@ -92,4 +95,20 @@ class Enricher:
             resource=self.resource_for_pid(rec.pid),
             endpoints=self.conns.endpoints(rec),
             rejected=ctx if isinstance(ctx, str) else None,
+            process_names=self._helper_processes(rec),
         )
+
+    def _helper_processes(self, rec: HttpRecord) -> dict[int, str]:
+        """Names of the processes the work set reached besides the reader's, from their
+        resources (cached per pid by the resolver)."""
+        names: dict[int, str] = {}
+        for m in rec.members[: min(rec.ws_nslots, WS_SLOTS)]:
+            if m.pid and m.pid != rec.pid and m.pid not in names:
+                names[m.pid] = process_name(self.resource_for_pid(m.pid), m.pid)
+        return names
+
+
+def process_name(resource: Resource, pid: int) -> str:
+    """The executable's name, as the resource says; the pid when it could not be read."""
+    name = resource.get("process.executable.name")
+    return str(name) if name else f"pid {pid}"

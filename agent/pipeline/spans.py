@@ -1,5 +1,6 @@
 """Enriched record -> spans: one SERVER span per request in the caller's trace, plus child spans
-for the intervals the kernel timed (receive-queue wait, long run-queue waits).
+for the intervals the kernel timed (receive-queue wait, long run-queue waits) and one per helper
+thread of the request's work set.
 
 A pure function of the enriched record and the live signal set: nothing here reads the host.
 An attribute is emitted only when its signal was on, so an absent value never reads as a measured
@@ -23,7 +24,21 @@ from tracejoin.core.model import (
     AttrValue,
     Span,
 )
-from tracejoin.core.text import OTHER_METHOD, http_method, url_path
+from tracejoin.core.record import (
+    WS_SLOTS,
+    WSF_CAP,
+    WSF_NO_GAP,
+    WSF_TRACKED,
+    WSIG_MAJFLT,
+    WSIG_MINFLT,
+    WSIG_OFFCPU,
+    WSIG_ONCPU,
+    WSIG_RUNQ,
+    WSIG_SWITCHES,
+    WSIG_TLB_A,
+    WSIG_TLB_B,
+)
+from tracejoin.core.text import OTHER_METHOD, http_method, terminal_safe, url_path
 from tracejoin.enrich.enricher import EnrichedRecord
 from tracejoin.kernel.decode import (
     REQF_FIRST_ON_CONN,
@@ -31,6 +46,7 @@ from tracejoin.kernel.decode import (
     REQF_PATH_TRUNC,
     REQF_RESP_UNTERM,
     REQF_TLB_HW,
+    HttpRecord,
 )
 
 # Path segments that look like identifiers become "{id}" in the span name, so a route like
@@ -55,6 +71,10 @@ def route_of(path: str) -> str:
 
 # Signal names as the probes report them (tracejoin.kernel.probes ProbeStatus.signals).
 SIG_RECVQ, SIG_TCP_STATS, SIG_SCHED, SIG_FAULTS = "recvq", "tcp_stats", "sched", "page_faults"
+SIG_WORKSET = "workset"
+# What a thread did while it also worked for other open requests is under this prefix, never
+# under the request's own attribute: `tracejoin.mm.minor_faults` -> `tracejoin.work.shared.mm...`
+SHARED = "tracejoin.work.shared."
 
 
 @dataclass(frozen=True)
@@ -117,20 +137,23 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
             attrs["tracejoin.tcp.srtt_us"] = rec.srtt_us
         if rec.unacked_max:
             attrs["tracejoin.tcp.unacked_max_bytes"] = rec.unacked_max
-    if SIG_SCHED in on:
+    # With the work set on, the kernel signals are sums over it (its own part); a set the kernel
+    # lost has no values to give, and an absent value must not read as a measured zero.
+    tracked = SIG_WORKSET in on and bool(rec.ws_flags & WSF_TRACKED)
+    measured = tracked or SIG_WORKSET not in on
+    if SIG_SCHED in on and measured:
         attrs["tracejoin.sched.runq_wait_ns"] = rec.runq_ns
         attrs["tracejoin.sched.runq_wait_max_ns"] = rec.runq_max_ns
         attrs["tracejoin.sched.offcpu_ns"] = rec.offcpu_ns
         attrs["tracejoin.sched.context_switches"] = rec.nr_switches
-    if SIG_FAULTS in on:
+    if SIG_FAULTS in on and measured:
         attrs["tracejoin.mm.minor_faults"] = rec.minflt
         attrs["tracejoin.mm.major_faults"] = rec.majflt
-    if rec.flags & REQF_TLB_HW:
-        attrs["tracejoin.tlb.dtlb_load_misses"] = rec.tlb_a
-        attrs["tracejoin.tlb.itlb_load_misses"] = rec.tlb_b
-    elif opts.tlb_mode == "flush_fallback":
-        attrs["tracejoin.tlb.flushes"] = rec.tlb_a
-        attrs["tracejoin.tlb.full_flushes"] = rec.tlb_b
+    tlb = _tlb_names(rec, opts)
+    if measured:
+        attrs.update(zip(tlb, (rec.tlb_a, rec.tlb_b), strict=False))
+    if tracked:
+        attrs.update(_work_attributes(rec, on, tlb))
     if rec.flags & REQF_RESP_UNTERM:
         attrs["tracejoin.http.response_unframed"] = True
     attrs.update(e.gpu)
@@ -171,7 +194,98 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
             if w.dur_ns >= opts.runq_child_threshold_ns and w.start_ns:
                 s0 = e.epoch_ns(w.start_ns)
                 spans.append(_child(server, new_id(64), "sched.runq_wait", s0, s0 + w.dur_ns))
+    if tracked:
+        spans.extend(_helper_spans(e, server, on, tlb, new_id))
     return spans
+
+
+def _tlb_names(rec: HttpRecord, opts: SpanOptions) -> tuple[str, ...]:
+    """Attribute names of the record's two TLB values, for what was measured; () when off."""
+    if rec.flags & REQF_TLB_HW:
+        return ("tracejoin.tlb.dtlb_load_misses", "tracejoin.tlb.itlb_load_misses")
+    if opts.tlb_mode == "flush_fallback":
+        return ("tracejoin.tlb.flushes", "tracejoin.tlb.full_flushes")
+    return ()
+
+
+def _work_attributes(
+    rec: HttpRecord, on: Collection[str], tlb: tuple[str, ...]
+) -> dict[str, AttrValue]:
+    """The work set on the server span: its size, its on-CPU time split by who, what it did
+    not explain, and (only when a member also served other open requests) the shared parts."""
+    a: dict[str, AttrValue] = {
+        "tracejoin.work.threads": rec.ws_threads,
+        "tracejoin.work.processes": rec.ws_processes,
+        "tracejoin.work.on_cpu_ns": rec.oncpu_ns,
+        "tracejoin.work.reader_on_cpu_ns": max(0, rec.oncpu_ns - rec.helper_oncpu_ns),
+        "tracejoin.work.shared_with_max": rec.ws_shared_with_max,
+    }
+    if not rec.ws_flags & WSF_NO_GAP:
+        a["tracejoin.work.unexplained_wait_ns"] = rec.unexplained_wait_ns
+    if rec.ws_flags & WSF_CAP:
+        a["tracejoin.work.threads_refused"] = rec.ws_refused
+    if rec.ws_unslotted:
+        a["tracejoin.work.helpers_without_span"] = rec.ws_unslotted
+    sh = rec.shared
+    if rec.ws_shared_with_max or any(sh):
+        a[SHARED + "on_cpu_ns"] = sh[WSIG_ONCPU]
+        a[SHARED + "on_cpu_apportioned_ns"] = rec.shared_apportioned_ns
+        if SIG_SCHED in on:
+            a[SHARED + "sched.runq_wait_ns"] = sh[WSIG_RUNQ]
+            a[SHARED + "sched.offcpu_ns"] = sh[WSIG_OFFCPU]
+            a[SHARED + "sched.context_switches"] = sh[WSIG_SWITCHES]
+        if SIG_FAULTS in on:
+            a[SHARED + "mm.minor_faults"] = sh[WSIG_MINFLT]
+            a[SHARED + "mm.major_faults"] = sh[WSIG_MAJFLT]
+        for name, idx in zip(tlb, (WSIG_TLB_A, WSIG_TLB_B), strict=False):
+            a[SHARED + name.removeprefix("tracejoin.")] = sh[idx]
+    return a
+
+
+def _helper_spans(
+    e: EnrichedRecord,
+    server: Span,
+    on: Collection[str],
+    tlb: tuple[str, ...],
+    new_id: Callable[[int], int],
+) -> list[Span]:
+    """One INTERNAL span per reported helper thread, named process/thread, from when it was
+    woken into the set until it replied or the response ended."""
+    rec = e.rec
+    out = []
+    for m in rec.members[: min(rec.ws_nslots, WS_SLOTS)]:
+        if not m.join_ns:
+            continue
+        thread = terminal_safe(m.comm_bytes().decode("utf-8", "backslashreplace")) or "?"
+        if m.pid == rec.pid:
+            exe = e.resource.get("process.executable.name")
+            process = str(exe) if exe else f"pid {m.pid}"
+        else:
+            process = e.process_names.get(m.pid, f"pid {m.pid}" if m.pid else "?")
+        end = max(m.leave_ns or rec.end_ns, m.join_ns)
+        child = _child(
+            server,
+            new_id(64),
+            f"{process}/{thread}",
+            e.epoch_ns(m.join_ns),
+            e.epoch_ns(end),
+        )
+        a = child.attributes
+        a["thread.id"] = m.tid
+        a["thread.name"] = thread
+        if m.pid:
+            a["process.pid"] = m.pid
+        a["tracejoin.work.on_cpu_ns"] = m.oncpu_ns
+        if m.shared_oncpu_ns:
+            a[SHARED + "on_cpu_ns"] = m.shared_oncpu_ns
+        if SIG_SCHED in on:
+            a["tracejoin.sched.runq_wait_ns"] = m.runq_ns
+        if SIG_FAULTS in on:
+            a["tracejoin.mm.minor_faults"] = m.minflt
+            a["tracejoin.mm.major_faults"] = m.majflt
+        a.update(zip(tlb, (m.tlb_a, m.tlb_b), strict=False))
+        out.append(child)
+    return out
 
 
 def _child(parent: Span, span_id: int, name: str, start_ns: int, end_ns: int) -> Span:
