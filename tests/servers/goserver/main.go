@@ -1,6 +1,6 @@
-// A net/http server the tests control: /sleep?ms=N; /chan?n=N (the handler passes a job to a
-// worker goroutine through a channel and waits for its reply; the worker touches N fresh pages);
-// anything else 200 "ok".
+// A net/http server the tests control: /sleep?ms=N; /chan?n=N&ms=M (the handler passes a job
+// to a worker goroutine through a channel and waits for its reply; the worker touches N fresh
+// pages, then spins on the CPU for M ms); anything else 200 "ok".
 // Usage: goserver PORT. Prints "ready" once listening.
 package main
 
@@ -15,15 +15,18 @@ import (
 
 type job struct {
 	pages int
+	spin  time.Duration
 	done  chan struct{}
 }
 
-// worker touches the pages of each job it receives, then replies on the job's channel.
+// worker does each job it receives, then replies on the job's channel.
 func worker(jobs <-chan job) {
 	for j := range jobs {
 		buf := make([]byte, j.pages*os.Getpagesize())
 		for i := 0; i < len(buf); i += os.Getpagesize() {
 			buf[i] = 1
+		}
+		for end := time.Now().Add(j.spin); time.Now().Before(end); {
 		}
 		j.done <- struct{}{}
 	}
@@ -44,7 +47,8 @@ func main() {
 			time.Sleep(time.Duration(ms) * time.Millisecond)
 		case "/chan":
 			n, _ := strconv.Atoi(r.URL.Query().Get("n"))
-			j := job{pages: n, done: make(chan struct{})}
+			ms, _ := strconv.Atoi(r.URL.Query().Get("ms"))
+			j := job{pages: n, spin: time.Duration(ms) * time.Millisecond, done: make(chan struct{})}
 			jobs <- j
 			<-j.done
 		}
