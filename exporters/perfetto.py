@@ -10,7 +10,9 @@ What goes where (docs/capture.md shows it in the UI):
   span attribute, so clicking a slice shows what the span in Jaeger shows.
 - Tracks: pid = the process that served the request (resource `process.pid`), tid = the thread
   that read it (`thread.id`). Child spans (`tcp.receive_queue_wait`, `sched.runq_wait`) go on
-  their server span's track, nested under it.
+  their server span's track, nested under it. A work-set helper's span (a child carrying its own
+  `process.pid` and `thread.id`: a pool thread, a worker process) goes on that thread's track, so
+  each helper thread shows the slices of the requests it worked for.
 - Slices on one track must nest. Requests that overlap on one thread without nesting (an event
   loop serving several connections, pipelining) go to overflow tracks of the same process,
   named "<thread> (overlapping requests k)", tid = k * LANE_STRIDE + thread id.
@@ -71,6 +73,10 @@ def _arg(value: object) -> object:
     return value if isinstance(value, str | int | float | bool) else str(value)
 
 
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _comm(pid: int, tid: int) -> str | None:
     try:
         return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip() or None
@@ -104,12 +110,15 @@ class TraceEventEncoder:
         return out
 
     def _track(self, span: Span, out: list[dict[str, Any]]) -> tuple[int, int]:
-        pid_v = span.resource.get("process.pid")
-        pid = pid_v if isinstance(pid_v, int) and not isinstance(pid_v, bool) else 0
-        if span.kind != KIND_SERVER and span.parent_span_id in self._span_tracks:
+        pid = _int(span.resource.get("process.pid")) or 0
+        helper_pid = _int(span.attributes.get("process.pid"))
+        helper = span.kind != KIND_SERVER and bool(helper_pid) and "thread.id" in span.attributes
+        if span.kind != KIND_SERVER and not helper and span.parent_span_id in self._span_tracks:
             return self._span_tracks[span.parent_span_id]
-        tid_v = span.attributes.get("thread.id")
-        tid = tid_v if isinstance(tid_v, int) and not isinstance(tid_v, bool) else pid
+        if helper and helper_pid != pid:
+            pid = helper_pid or 0
+            self._name_helper_process(pid, span, out)
+        tid = _int(span.attributes.get("thread.id")) or pid
         self._name_process(pid, span, out)
         lanes = self._lanes.setdefault((pid, tid), [])
         lane = next((i for i, end in enumerate(lanes) if span.start_ns >= end), None)
@@ -134,6 +143,15 @@ class TraceEventEncoder:
         name = str(service or exe or f"pid {pid}")
         if exe and service and exe != service:
             name += f" ({exe})"
+        out.append(_meta("process_name", pid, pid, {"name": name}))
+        out.append(_meta("process_sort_index", pid, pid, {"sort_index": 0}))
+
+    def _name_helper_process(self, pid: int, span: Span, out: list[dict[str, Any]]) -> None:
+        """A worker process seen only through a helper span: named after it (process/thread)."""
+        if pid in self._named_processes:
+            return
+        self._named_processes.add(pid)
+        name = f"{span.name.split('/', 1)[0]} (pid {pid})"
         out.append(_meta("process_name", pid, pid, {"name": name}))
         out.append(_meta("process_sort_index", pid, pid, {"sort_index": 0}))
 

@@ -564,13 +564,20 @@ def test_perfetto_file_follows_trace_event_format(inproc: InProcessCapture) -> N
     for e in servers.values():
         assert e["tid"] % LANE_STRIDE == e["args"]["thread.id"]
         assert e["args"]["status"] == ("ERROR" if e["name"] == "GET /error" else "UNSET")
-    # kernel intervals: on their request's track, inside it
+    # kernel intervals: on their request's track, inside it; a work-set helper thread (one the
+    # handler woke, e.g. by a GIL hand-off) on that thread's own track
     kernel = [e for e in x if e["cat"] == "kernel"]
     recvq = [e for e in kernel if e["name"] == "tcp.receive_queue_wait"]
     assert len(recvq) == len(servers)  # every request here waited in the receive queue
     for k in kernel:
         parent = servers[k["args"]["parent_span_id"]]
-        assert (k["pid"], k["tid"]) == (parent["pid"], parent["tid"])
+        if "thread.id" in k["args"]:
+            assert (k["pid"], k["tid"] % LANE_STRIDE) == (
+                k["args"]["process.pid"],
+                k["args"]["thread.id"],
+            )
+        else:
+            assert (k["pid"], k["tid"]) == (parent["pid"], parent["tid"])
         assert parent["ts"] <= k["ts"] and k["ts"] + k["dur"] <= parent["ts"] + parent["dur"]
     # thread and process names
     names = {e["args"]["name"] for e in ev["M"] if e["name"] == "process_name"}

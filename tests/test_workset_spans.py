@@ -149,3 +149,53 @@ def test_hostile_thread_names_and_a_corrupt_slot_count_are_inert():
     assert "\x1b" not in name and "\n" not in name
     assert name == "\\x1b[31mred\\xff\\x0a"
     assert len(r.members) == WS_SLOTS
+
+
+# ---- the capture summary's work-set table -------------------------------------------------
+
+
+def test_summary_work_table_splits_reader_and_others_and_marks_shared():
+    from tracejoin.commands.summary import WIDTH, Summary
+
+    s = Summary()
+    for i in range(20):
+        for span in build(pool_record()):
+            s.add_span(span)
+        r = record(TP, path=b"/asleep")
+        r.ws_flags, r.ws_threads, r.ws_processes, r.ws_shared_with_max = WSF_TRACKED, 1, 1, 3
+        r.shared[WSIG_ONCPU], r.shared[WSIG_MINFLT] = 19_000_000, 1804 + i
+        for span in build(r):
+            s.add_span(span)
+    text = s.format()
+    assert max(len(line) for line in text.splitlines()) <= WIDTH
+    rows = {
+        line.split()[1]: line.split()[2:]
+        for line in text[text.index("\nwork set") + 1 :].splitlines()[3:5]
+    }
+    # reader, others, ~cpu, ~faults, unexpl, threads, procs
+    assert rows["/x"] == ["0.30/0.30", "2.70/2.70", "0/0", "0/0", "0.02/0.02", "2/2", "1/1"]
+    assert rows["/asleep"][2:4] == ["~19/~19", "~1.8k/~1.8k"]
+    assert "shared, not the request's own" in " ".join(text.split())
+
+
+# ---- the Perfetto timeline ------------------------------------------------------------------
+
+
+def test_perfetto_puts_each_helper_on_its_own_thread_track():
+    from tracejoin.exporters.perfetto import trace_document
+
+    r = pool_record()
+    helper(r, 1, 78, 77, b"engine-core", oncpu_ns=1)
+    server, pool_thread, engine = build(r)
+    doc = trace_document([server, pool_thread, engine], origin_ns=server.start_ns)
+    x = {e["args"]["span_id"]: e for e in doc["traceEvents"] if e["ph"] == "X"}
+    assert (x[server.span_id_hex]["pid"], x[server.span_id_hex]["tid"]) == (1, 1)
+    assert (x[pool_thread.span_id_hex]["pid"], x[pool_thread.span_id_hex]["tid"]) == (1, 4242)
+    assert (x[engine.span_id_hex]["pid"], x[engine.span_id_hex]["tid"]) == (77, 78)
+    assert x[engine.span_id_hex]["args"]["parent_span_id"] == server.span_id_hex
+    procs = {
+        e["pid"]: e["args"]["name"]
+        for e in doc["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "process_name"
+    }
+    assert procs[77] == "engine (pid 77)"

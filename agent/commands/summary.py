@@ -28,6 +28,7 @@ from tracejoin.core.text import terminal_safe
 WIDTH = 100
 NAME = 20  # endpoint column; longer names get a line of their own
 CELL = 10  # one component column: "p50/p99"
+WORK_NAME, WORK_CELL = 16, 12  # the work-set table: its cells may read "~1.8k/~2.0k"
 SLOWEST = 5
 
 SPANS_FILE = "spans.otlp.jsonl"
@@ -85,12 +86,14 @@ COMPONENTS: tuple[Component, ...] = (
     ),
     Component(
         "runq ms",
-        "runq: run-queue delay of the reading thread (runnable, not running), summed",
+        "runq: run-queue delay (runnable, not running) of the request's work set (its own part; "
+        "the reading thread alone without the workset signal), summed",
         _scaled("tracejoin.sched.runq_wait_ns", 1e-6),
     ),
     Component(
         "faults",
-        "faults: page faults of the reading thread, minor + major",
+        "faults: page faults of the work set (own part; the reading thread alone without the "
+        "workset signal), minor + major",
         _faults,
     ),
     Component("tlb", "", _tlb),  # legend depends on the TLB signal: see _tlb_legend
@@ -99,6 +102,77 @@ COMPONENTS: tuple[Component, ...] = (
         "gpu: share of the request's time a GPU kernel ran (NVML, device-wide)",
         _scaled("tracejoin.gpu.kernel_active.ratio.avg", 100.0),
     ),
+)
+
+
+def _others_cpu_ms(attrs: Attrs) -> float | None:
+    total = _num(attrs, "tracejoin.work.on_cpu_ns")
+    reader = _num(attrs, "tracejoin.work.reader_on_cpu_ns")
+    return None if total is None or reader is None else max(0.0, total - reader) * 1e-6
+
+
+def _shared(key: str, scale: float) -> Callable[[Attrs], float | None]:
+    """A shared part: 0 for a request whose work set shared nothing, None without a work set."""
+
+    def get(attrs: Attrs) -> float | None:
+        if _num(attrs, "tracejoin.work.shared_with_max") is None:
+            return None
+        return (_num(attrs, key) or 0.0) * scale
+
+    return get
+
+
+_shared_minor = _shared("tracejoin.work.shared.mm.minor_faults", 1.0)
+_shared_major = _shared("tracejoin.work.shared.mm.major_faults", 1.0)
+
+
+def _shared_faults(attrs: Attrs) -> float | None:
+    minor = _shared_minor(attrs)
+    return None if minor is None else minor + (_shared_major(attrs) or 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkColumn:
+    column: str
+    legend: str
+    value: Callable[[Attrs], float | None]
+    high: float = 99  # the second percentile shown (100: the maximum)
+    shared: bool = False  # values not the request's own: shown with "~"
+
+
+# The work set (docs/attributes.md "Work set"): where the requests' CPU time went, and what was
+# shared with other open requests, never added to a request's own.
+WORK_COLUMNS: tuple[WorkColumn, ...] = (
+    WorkColumn(
+        "reader ms",
+        "reader: on-CPU of the thread that read the request, its own part",
+        _scaled("tracejoin.work.reader_on_cpu_ns", 1e-6),
+    ),
+    WorkColumn(
+        "others ms",
+        "others: on-CPU of the threads and processes it woke (pools, workers), own part",
+        _others_cpu_ms,
+    ),
+    WorkColumn(
+        "~cpu ms",
+        "~cpu, ~faults: on-CPU and page faults of work-set threads while they also served other "
+        "open requests (an event loop, a batching worker): shared, not the request's own",
+        _shared("tracejoin.work.shared.on_cpu_ns", 1e-6),
+        shared=True,
+    ),
+    WorkColumn("~faults", "", _shared_faults, shared=True),
+    WorkColumn(
+        "unexpl ms",
+        "unexpl: time the reader was blocked while no other work-set thread was runnable",
+        _scaled("tracejoin.work.unexplained_wait_ns", 1e-6),
+    ),
+    WorkColumn(
+        "threads",
+        "threads, procs: work-set size (p50/max), the reader included",
+        _scaled("tracejoin.work.threads", 1.0),
+        high=100,
+    ),
+    WorkColumn("procs", "", _scaled("tracejoin.work.processes", 1.0), high=100),
 )
 
 
@@ -116,6 +190,7 @@ class EndpointStats:
     errors: int = 0
     durations_ms: array[float] = field(default_factory=lambda: array("d"))
     components: list[array[float]] = field(default_factory=lambda: [array("d") for _ in COMPONENTS])
+    work: list[array[float]] = field(default_factory=lambda: [array("d") for _ in WORK_COLUMNS])
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -158,6 +233,10 @@ class Summary:
             v = comp.value(attrs)
             if v is not None:
                 values.append(v)
+        for col, values in zip(WORK_COLUMNS, ep.work, strict=True):
+            v = col.value(attrs)
+            if v is not None:
+                values.append(v)
         if "tracejoin.tlb.dtlb_load_misses" in attrs:
             self.tlb_kinds.add("misses")
         elif "tracejoin.tlb.flushes" in attrs:
@@ -189,6 +268,9 @@ class Summary:
             lines.extend(self._endpoint_table())
             lines.append("")
             lines.extend(self._legend())
+            if any(values for ep in self.endpoints.values() for values in ep.work):
+                lines.append("")
+                lines.extend(self._work_table())
             lines.append("")
             lines.extend(self._slowest())
         lines.append("")
@@ -247,6 +329,33 @@ class Summary:
                 out.append(" " * NAME + nums)
         return out
 
+    def _work_table(self) -> list[str]:
+        head = f"{'work set':<{WORK_NAME}}" + "".join(
+            f"{c.column:>{WORK_CELL}}" for c in WORK_COLUMNS
+        )
+        sub = " " * WORK_NAME + "".join(
+            f"{'p50/max' if c.high == 100 else 'p50/p99':>{WORK_CELL}}" for c in WORK_COLUMNS
+        )
+        out = [head, sub, "-" * len(head)]
+        order = sorted(self.endpoints.items(), key=lambda kv: (-kv[1].count, kv[0]))
+        for raw_name, ep in order:
+            if not any(ep.work):
+                continue
+            name = terminal_safe(raw_name)
+            nums = ""
+            for col, values in zip(WORK_COLUMNS, ep.work, strict=True):
+                vals = sorted(values)
+                lo, hi = percentile(vals, 50), percentile(vals, col.high)
+                cell = f"{_mark(lo, col.shared)}/{_mark(hi, col.shared)}" if vals else "-"
+                nums += f"{cell:>{WORK_CELL}}"
+            if len(name) < WORK_NAME:
+                out.append(f"{name:<{WORK_NAME}}{nums}")
+            else:
+                out.append(name)
+                out.append(" " * WORK_NAME + nums)
+        legend = " ".join(c.legend + "." for c in WORK_COLUMNS if c.legend)
+        return out + _wrap(legend)
+
     def _legend(self) -> list[str]:
         lines = [
             "p50/p99: nearest-rank percentiles over the endpoint's requests (the p-th percentile "
@@ -283,12 +392,17 @@ class Summary:
 
 def _tlb_legend(kinds: set[str]) -> str:
     if kinds == {"misses"}:
-        return "tlb: hardware dTLB load misses of the reading thread."
+        return "tlb: hardware dTLB load misses of the work set (own part)."
     if kinds == {"flushes"}:
-        return "tlb: TLB flushes in the reading thread (no hardware PMU here: flushes, not misses)."
+        return "tlb: TLB flushes in the work set (no hardware PMU here: flushes, not misses)."
     if kinds:
         return "tlb: dTLB load misses where a PMU was available, else TLB flushes (not misses)."
     return "tlb: no TLB signal in this capture."
+
+
+def _mark(v: float, shared: bool) -> str:
+    """A shared value carries "~": it is not the request's own (a zero is just 0)."""
+    return f"~{_short(v)}" if shared and v else _short(v)
 
 
 def _ms(v: float) -> str:
