@@ -455,10 +455,37 @@ TRACEPOINT_PROBE(irq, softirq_exit)
     return 0;
 }
 
+/* Whether a wake by the current thread (id) of a task with these flags may add it to a set: not
+ * a kernel thread (they run deferred work for everyone: softirqs, workqueues), and not a wake
+ * made while the waker reads or writes a served connection of one of its sets (that wakes the
+ * connection's client: the response arriving). */
+static __always_inline int ws_may_join(struct tstat *t, u64 id, u32 flags)
+{
+    if (flags & PF_KTHREAD_)
+        return 0;
+    struct pending_io *io = pending_wr.lookup(&id);
+    if (!io)
+        io = pending_rd.lookup(&id);
+    if (!io)
+        return 1;
+    u32 fd = io->fd, pid = id >> 32;
+#pragma unroll
+    for (int r = 0; r < WS_REFS; r++) {
+        struct ws_key k = {.conn_id = t->refs[r].conn_id, .seq = t->refs[r].seq};
+        if (!k.conn_id)
+            continue;
+        struct workset *ws = worksets.lookup(&k);
+        if (ws && ws->pid == pid && ws->fd == fd)
+            return 0;
+    }
+    return 1;
+}
+
 /* The current thread wakes task p (or created it). For each open set the waker is in: a wakee
  * outside the set joins it; waking the reader, or the member that handed it the work, is the
- * reply, and the waker (unless it is the reader) leaves. p's fields are read at offsets the agent took from the running kernel's BTF
- * (TASK_*_OFF), only after the early exit. */
+ * reply, and the waker (unless it is the reader) leaves. p's fields are read at offsets the
+ * agent took from the running kernel's BTF (TASK_*_OFF), only after the early exit, and only
+ * those the case needs. */
 static __always_inline int ws_wake(void *p)
 {
     u64 id = bpf_get_current_pid_tgid();
@@ -470,35 +497,15 @@ static __always_inline int ws_wake(void *p)
     u32 *depth = irqctx.lookup(&z);
     if (depth && *depth)
         return 0;
-    u32 flags = 0, wakee = 0, wakee_pid = 0;
-    bpf_probe_read_kernel(&flags, sizeof(flags), p + TASK_FLAGS_OFF);
+    u32 wakee = 0;
     bpf_probe_read_kernel(&wakee, sizeof(wakee), p + TASK_PID_OFF);
-    bpf_probe_read_kernel(&wakee_pid, sizeof(wakee_pid), p + TASK_TGID_OFF);
-    /* kernel threads run deferred work for everyone (softirqs, workqueues): not the request's */
-    if ((flags & PF_KTHREAD_) || wakee == me || wakee == 0)
+    if (wakee == me || wakee == 0)
         return 0;
-    u32 pid = id >> 32;
-    t->tgid = pid;
-    /* The waker reading or writing a served connection wakes that connection's client (the
-     * response arriving), not a helper. */
-    struct pending_io *io = pending_wr.lookup(&id);
-    if (!io)
-        io = pending_rd.lookup(&id);
-    if (io) {
-        u32 fd = io->fd;
-#pragma unroll
-        for (int r = 0; r < WS_REFS; r++) {
-            struct ws_key k = {.conn_id = t->refs[r].conn_id, .seq = t->refs[r].seq};
-            if (!k.conn_id)
-                continue;
-            struct workset *ws = worksets.lookup(&k);
-            if (ws && ws->pid == pid && ws->fd == fd)
-                return 0;
-        }
-    }
+    t->tgid = id >> 32;
     u64 now = bpf_ktime_get_ns();
+    int may_join = -1;          /* decided at the first join, once per wake */
+    u32 wakee_pid = 0;
     char comm[16] = {};
-    bpf_probe_read_kernel(&comm, sizeof(comm), p + TASK_COMM_OFF);
 #pragma unroll
     for (int r = 0; r < WS_REFS; r++) {
         struct ws_key k = {.conn_id = t->refs[r].conn_id, .seq = t->refs[r].seq};
@@ -523,6 +530,15 @@ static __always_inline int ws_wake(void *p)
             }
             continue;
         }
+        if (may_join < 0) {
+            u32 flags = 0;
+            bpf_probe_read_kernel(&flags, sizeof(flags), p + TASK_FLAGS_OFF);
+            may_join = ws_may_join(t, id, flags);
+            bpf_probe_read_kernel(&wakee_pid, sizeof(wakee_pid), p + TASK_TGID_OFF);
+            bpf_probe_read_kernel(&comm, sizeof(comm), p + TASK_COMM_OFF);
+        }
+        if (!may_join)
+            break;
         struct tstat *w = thread_for(wakee, 0, now);
         if (!w)
             continue;

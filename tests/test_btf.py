@@ -1,5 +1,6 @@
-"""Struct member offsets from BTF (agent/kernel/btf.py): a synthetic blob, bad input, and the
-running kernel's own type information checked against bpftool where both exist."""
+"""Struct member offsets from BTF (agent/kernel/btf.py): a synthetic blob, bad input, the running
+kernel's own type information checked against bpftool where both exist, and the work-set signal
+the planner turns off (saying why) without them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from tracejoin.core.metrics import Metrics
+from tracejoin.kernel import probes
 from tracejoin.kernel.btf import VMLINUX_BTF, BtfError, member_offsets
+from tracejoin.kernel.probes import HttpProbes, ProbeConfig
 
 STRINGS = b"\0int\0a\0b\0task\0flags\0bits\0"
 
@@ -86,3 +90,52 @@ def test_running_kernel_task_struct_matches_bpftool() -> None:
     for member, off in ours.items():
         m = re.search(rf"'{member}' type_id=\d+ bits_offset=(\d+)", body)
         assert m is not None and int(m.group(1)) == off * 8, member
+
+
+def _plan(cfg: ProbeConfig) -> tuple[dict[str, int | None], dict[str, str]]:
+    p = HttpProbes(cfg, Metrics())
+    return p.plan(), p.status.signals
+
+
+@pytest.mark.privileged
+def test_workset_knobs_are_the_running_kernels_offsets(require_root):
+    knobs, signals = _plan(ProbeConfig())
+    assert signals["workset"] == "on"
+    offsets = member_offsets("task_struct", ("flags", "pid", "tgid", "comm"))
+    assert {k: knobs[k] for k in probes.TASK_MEMBERS.values()} == {
+        probes.TASK_MEMBERS[m]: off for m, off in offsets.items()
+    }
+    assert "WITH_WORKSET" in knobs
+
+
+@pytest.mark.privileged
+@pytest.mark.parametrize(
+    ("cfg", "why"),
+    [
+        (ProbeConfig(workset=False), "off: disabled by configuration"),
+        (
+            ProbeConfig(disabled_tracepoints=frozenset({"sched:sched_switch"})),
+            "off: needs the sched signal",
+        ),
+        (
+            ProbeConfig(disabled_tracepoints=frozenset({"sched:sched_waking"})),
+            "off: tracepoint sched:sched_waking missing",
+        ),
+    ],
+)
+def test_workset_off_says_why_and_drops_its_knobs(require_root, cfg, why):
+    knobs, signals = _plan(cfg)
+    assert signals["workset"] == why
+    assert "WITH_WORKSET" not in knobs
+    assert not set(probes.TASK_MEMBERS.values()) & set(knobs)
+
+
+@pytest.mark.privileged
+def test_workset_off_without_btf(require_root, monkeypatch):
+    def no_btf(*_a: object, **_k: object) -> dict[str, int]:
+        raise BtfError("cannot read /sys/kernel/btf/vmlinux: gone")
+
+    monkeypatch.setattr(probes, "member_offsets", no_btf)
+    knobs, signals = _plan(ProbeConfig())
+    assert signals["workset"].startswith("off: task_struct offsets not found in the kernel's BTF")
+    assert "WITH_WORKSET" not in knobs and "WITH_SCHED" in knobs

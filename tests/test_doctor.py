@@ -349,3 +349,16 @@ def test_default_required_tracepoints_match_probes() -> None:
     """The doctor's defaults must not drift from what tracejoin.kernel.probes attaches to."""
     probes = pytest.importorskip("tracejoin.kernel.probes")
     assert set(REQUIRED_TRACEPOINTS) == set(probes.REQUIRED_TRACEPOINTS)
+
+
+def test_fake_host_work_set_needs_btf(tmp_path: Path) -> None:
+    from tracejoin.kernel.probes import OPTIONAL_SIGNALS
+
+    workset = next(s.what for s in OPTIONAL_SIGNALS if s.name == "workset")
+    root = _fake_host(tmp_path)
+    without = signal(run_checks(_opts(root)), workset)
+    assert without.status is Status.UNAVAILABLE
+    assert "CONFIG_DEBUG_INFO_BTF" in (without.fix or "")
+    (root / "sys/kernel/btf").mkdir(parents=True)
+    (root / "sys/kernel/btf/vmlinux").write_bytes(b"\x9f\xeb")
+    assert signal(run_checks(_opts(root)), workset).status is Status.AVAILABLE

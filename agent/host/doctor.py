@@ -467,7 +467,7 @@ def check_tracefs(root: Path) -> tuple[Path | None, Check]:
 
 def check_btf(root: Path) -> Check:
     path = root / "sys/kernel/btf/vmlinux"
-    why = "not needed today: probes read only tracepoint arguments"
+    why = "the work set (threads and processes a request wakes) is off without it"
     if path.is_file():
         size = path.stat().st_size
         return Check(
@@ -478,7 +478,7 @@ def check_btf(root: Path) -> Check:
         "Kernel",
         Status.UNAVAILABLE,
         f"no /sys/kernel/btf/vmlinux; {why}",
-        fix="a kernel built with CONFIG_DEBUG_INFO_BTF=y, if a probe ever needs a struct offset",
+        fix="a kernel built with CONFIG_DEBUG_INFO_BTF=y (the work set reads task_struct offsets)",
     )
 
 
@@ -800,7 +800,10 @@ def _from_gpu_probe(result: Any) -> ProbeResult:
 def derive_signals(checks: list[Check], opts: DoctorOptions) -> list[Signal]:
     by_name = {c.name: c for c in checks}
     out = [_core_signal(checks)]
-    out += _tracepoint_signals(by_name, opts.optional_tracepoints)
+    out += [
+        _needs_btf(s, by_name["btf"])
+        for s in _tracepoint_signals(by_name, opts.optional_tracepoints)
+    ]
     out.append(_tlb_signal(by_name))
     out.append(_single("software perf events (cpu-clock)", by_name["software perf events"]))
     out.append(_single("uprobes", by_name["uprobes"]))
@@ -836,6 +839,16 @@ def _tracepoint_signals(by_name: dict[str, Check], optional: Sequence[str]) -> l
         detail = "missing " + ", ".join(missing)
         out.append(Signal(signal, Status.UNAVAILABLE, detail, False, sources, fix=fix))
     return out
+
+
+def _needs_btf(signal: Signal, btf: Check) -> Signal:
+    """The work set reads a woken task's flags and process at offsets from the kernel's BTF."""
+    workset = next(sig.what for sig in probes.OPTIONAL_SIGNALS if sig.name == "workset")
+    if signal.name != workset or btf.ok or signal.status is not Status.AVAILABLE:
+        return signal
+    return Signal(
+        signal.name, Status.UNAVAILABLE, btf.detail, False, [*signal.sources, btf.name], fix=btf.fix
+    )
 
 
 def _tlb_signal(by_name: dict[str, Check]) -> Signal:

@@ -24,6 +24,7 @@ Prints "ready" on stdout once listening.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import queue
@@ -158,8 +159,19 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
+class NoDelayHandler(Handler):
+    # headers and body go out in two writes: without TCP_NODELAY the body waits for the
+    # client's delayed ACK (40 ms), and a benchmark would measure that
+    disable_nagle_algorithm = True
+
+    def handle(self) -> None:
+        with contextlib.suppress(ConnectionError):  # a load generator hanging up at its end
+            super().handle()
+
+
 def serve_threaded(port: int, poll_interval: float = 0.5) -> None:
-    srv = ThreadingHTTPServer((os.environ.get("BIND", "127.0.0.1"), port), Handler)
+    handler = Handler if poll_interval < 3600 else NoDelayHandler
+    srv = ThreadingHTTPServer((os.environ.get("BIND", "127.0.0.1"), port), handler)
     srv.daemon_threads = True
     print("ready", flush=True)
     # workers: the accept loop never wakes on its own, so it never takes the GIL from a handler
