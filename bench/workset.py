@@ -3,6 +3,10 @@
     sudo python -m bench.workset            # ~2 min
     sudo python -m bench.workset --quick    # ~1 min
 
+0. What a process outside every work set pays: a pipe ping-pong between two unrelated
+   processes (each round trip: two wakes, four context switches), BPF ns per round trip with
+   the work set off and on, and ns per hit of `sched_waking`, whose early exit is one `threads`
+   lookup, beside `sched_wakeup`, which does one lookup too.
 1. BPF ns per request with the work set on and off. The probes load in this process (real BPF,
    ports filtered to the test server), `kernel.bpf_stats_enabled` is on, and the run time of
    every program this process holds is read before and after each phase (bpftool). Phases
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -94,6 +99,37 @@ def run_time(ids: set[int]) -> dict[str, tuple[int, int]]:
     return out
 
 
+PING_PONG = """
+import os
+r1, w1 = os.pipe()
+r2, w2 = os.pipe()
+n = {n}
+if os.fork() == 0:
+    for _ in range(n):
+        os.read(r1, 1)
+        os.write(w2, b"x")
+    os._exit(0)
+for _ in range(n):
+    os.write(w1, b"x")
+    os.read(r2, 1)
+os.wait()
+"""
+
+
+def unrelated_phase(workset: bool, rounds: int) -> dict[str, tuple[int, int]]:
+    """Program -> (ns, hits) while an unrelated pipe ping-pong runs `rounds` round trips."""
+    (port,) = free_ports(1)  # nothing listens there: no request is ever traced
+    p = probes(port, workset)
+    try:
+        ids = m.own_prog_ids(os.getpid())
+        before = run_time(ids)
+        subprocess.run([sys.executable, "-c", PING_PONG.format(n=rounds)], check=True)
+        after = run_time(ids)
+    finally:
+        p.shutdown()
+    return {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after}
+
+
 def cost_phase(port: int, workset: bool, seconds: int, conns: int) -> dict[str, Any]:
     p = probes(port, workset)
     col = Collector(p)
@@ -152,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     stats.on()
     (port,) = free_ports(1)
     try:
+        ping = {ws: [unrelated_phase(ws, 20_000) for _ in range(rounds)] for ws in (False, True)}
+        print_unrelated(ping)
         with server("workers", port):
             runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
             for _ in range(rounds):
@@ -170,6 +208,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stats.restore()
     return 0
+
+
+def print_unrelated(ping: dict[bool, list[dict[str, tuple[int, int]]]]) -> None:
+    def per_trip(ws: bool) -> float:
+        return statistics.median(sum(ns for ns, _ in r.values()) / 20_000 for r in ping[ws])
+
+    def per_hit(name: str) -> str:
+        ns = sum(r.get(name, (0, 0))[0] for r in ping[True])
+        hits = sum(r.get(name, (0, 0))[1] for r in ping[True])
+        return f"{ns / hits:.0f} ns/hit ({hits / len(ping[True]) / 20_000:.2f} hits/trip)"
+
+    print("\n0. A process in no work set: pipe ping-pong between two unrelated processes")
+    print(f"   BPF ns per round trip: work set off {per_trip(False):.0f}, on {per_trip(True):.0f}")
+    print(f"   sched_waking (early exit, one lookup): {per_hit('sched_waking')}")
+    print(f"   sched_wakeup (one lookup): {per_hit('tracepoint__sched__sched_wakeup')}")
 
 
 def print_cost(runs: dict[bool, list[dict[str, Any]]], conns: int) -> None:

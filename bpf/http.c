@@ -34,6 +34,8 @@
  *   TASK_FLAGS_OFF, TASK_PID_OFF, TASK_TGID_OFF, TASK_COMM_OFF
  *                                          task_struct member offsets from the running kernel's
  *                                          BTF (WITH_WORKSET only; agent/kernel/btf.py)
+ *   AGENT_TGID, WITH_IRQ_VECTORS           the agent's own process; x86 irq_work tracepoints
+ *                                          exist (WITH_WORKSET only)
  *                                          optional signals whose tracepoints/events exist
  *   FILTER_PID, FILTER_PORT, FILTER_COMM   filters are active (values live in maps)
  *   TLB_HW                                 hardware dTLB/iTLB counters are open
@@ -155,6 +157,8 @@ struct tstat {
     u32 nopen;                  /* open requests whose work set holds this thread */
     u32 asleep;                 /* switched out blocked, not woken since */
     u32 tgid;                   /* its process, as last seen running; 0 before */
+    u32 reading;                /* open requests this thread read (it is their member 0) */
+    u32 _pad;
     struct ws_ref refs[WS_REFS];
     struct runq_wait ring[RUNQ_SLOTS];
 };

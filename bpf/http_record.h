@@ -70,7 +70,7 @@ struct ws_member {
     __u32 pid;
     char  comm[16];        /* the thread's name (comm) when it joined, or when it left by a wake */
     __u64 join_ns;         /* woken into the set */
-    __u64 leave_ns;        /* woke a member back, or the response ended */
+    __u64 leave_ns;        /* woke the reader (the reply), or the response ended */
     __u64 oncpu_ns;
     __u64 shared_oncpu_ns;
     __u64 runq_ns;
@@ -123,11 +123,11 @@ struct http_record {
     __u32 srtt_us;         /* last smoothed RTT seen on the connection (tcp:tcp_probe); 0 none */
     __u32 unacked_max;     /* most bytes sent but unacknowledged (tcp:tcp_probe) during the response */
     struct runq_wait runq[RUNQ_SLOTS];
-    /* --- the work set (bpf/http_workset.h): the reader plus the threads it woke while the
-     * request was open, until they woke a member back or the response ended. With WSF_TRACKED
-     * the enrichment fields above are sums over the work set of what each thread did while it
-     * worked for this request alone; what a thread did while it also worked for other open
-     * requests is in shared[], never in them. --- */
+    /* --- the work set (bpf/http_workset.h): the reader plus the threads its members woke while
+     * the request was open, until they woke the reader (the reply) or the response ended. With
+     * WSF_TRACKED the enrichment fields above are sums over the work set of what each thread did
+     * while it worked for this request alone; what a thread did while it also worked for other
+     * open requests is in shared[], never in them. --- */
     __u64 oncpu_ns;        /* on a CPU, summed over the work set (not shared) */
     __u64 helper_oncpu_ns; /* ... the part by threads other than the reader */
     __u64 unexplained_wait_ns; /* reader blocked while no other member was runnable */

@@ -1,6 +1,6 @@
 /* The work set of a request (docs/attributes.md "Work set", DESIGN principle 5): the thread that
  * read it, plus every thread a member wakes while the request is open, until that thread wakes
- * a member back (the reply) or the response ends. Part of the bpf/http.c compile unit.
+ * the reader back (the reply) or the response ends. Part of the bpf/http.c compile unit.
  *
  * sched:sched_waking runs in the waker's context, so futex, condition variable, pipe, eventfd,
  * unix socket and loopback TCP hand-offs all name who handed work to whom; sched_wakeup_new
@@ -84,11 +84,10 @@ struct ws_key {
 struct ws_mem {
     u32 tid;
     u32 pid;                    /* its process; 0 until the thread has been seen running */
-    u8 left;                    /* woke a member back, or the response ended */
+    u8 left;                    /* woke the reader (replied), or the response ended */
     u8 slot;                    /* index in slots[]; WS_NO_SLOT for the reader and the unslotted */
     u8 reffed;                  /* the thread holds a ws_ref to this set */
-    u8 parent;                  /* the member whose wake added it (the reader: itself) */
-    u8 _pad[4];
+    u8 _pad[5];
     u64 base_tot[WSIG_COUNT];
     u64 base_sh[WSIG_COUNT];
     u64 base_appt;
@@ -119,7 +118,6 @@ struct workset {
 /* Kernel-private to the work set, so declared here rather than in http.c. */
 BPF_TABLE("lru_hash", struct ws_key, struct workset, worksets, WS_ENTRIES);
 BPF_PERCPU_ARRAY(zero_ws, struct workset, 1);           /* never written: a zeroed template */
-BPF_PERCPU_ARRAY(irqctx, u32, 1);                       /* interrupt nesting depth per CPU */
 
 /* The unexplained wait: the reader is blocked and no other member is runnable. Re-evaluated at
  * each change of either, so it costs O(1) per transition. */
@@ -192,10 +190,9 @@ static __always_inline void ws_note_sharing(struct tstat *t, struct workset *sel
 
 /* Member i (thread t) starts working for the set: take its totals as the base. */
 static __always_inline void ws_begin(struct workset *ws, struct ws_key *key, u32 i,
-                                     struct tstat *t, u32 parent, u64 now)
+                                     struct tstat *t, u64 now)
 {
     struct ws_mem *m = &ws->m[i & (WS_MAX - 1)];
-    m->parent = parent;
     flush_oncpu(t, now);        /* the slice so far belongs to the old count */
     if (t->sleep_ts && now > t->sleep_ts) {
         /* the sleep it is being woken from began before it worked for the set: not the set's */
@@ -212,6 +209,8 @@ static __always_inline void ws_begin(struct workset *ws, struct ws_key *key, u32
         m->base_sh[s] = t->sh[s];
     }
     m->base_appt = t->appt;
+    if (i == 0)
+        t->reading++;
     m->reffed = ref_add(t, key, i);
     ws_note_sharing(t, ws);
     if (i != 0 && m->reffed && !t->asleep) {
@@ -222,7 +221,7 @@ static __always_inline void ws_begin(struct workset *ws, struct ws_key *key, u32
 
 /* A new member: thread `tid` (totals t). The first one is the reader. */
 static __always_inline void ws_add(struct workset *ws, struct ws_key *key, u32 tid,
-                                   struct tstat *t, u32 parent, const char *comm, u64 now)
+                                   struct tstat *t, const char *comm, u64 now)
 {
     u32 n = ws->n;
     if (n >= WS_MAX) {
@@ -250,7 +249,7 @@ static __always_inline void ws_add(struct workset *ws, struct ws_key *key, u32 t
         }
     }
     ws->n = n + 1;
-    ws_begin(ws, key, n, t, parent, now);
+    ws_begin(ws, key, n, t, now);
 }
 
 /* What member m's thread did for the set alone since it joined: its total less the shared part. */
@@ -305,6 +304,8 @@ static __always_inline void ws_end(struct workset *ws, struct ws_key *key, u32 i
             ws_gap(ws, now);
         }
     }
+    if (i == 0 && t->reading)
+        t->reading--;
     if (t->nopen)
         t->nopen--;
 }
@@ -336,7 +337,7 @@ static __always_inline void ws_open(struct http_record *rec, struct tstat *t, u6
     ws->pid = rec->pid;
     ws->fd = rec->fd;
     t->tgid = rec->pid;
-    ws_add(ws, &key, rec->tid, t, 0, 0, now);
+    ws_add(ws, &key, rec->tid, t, 0, now);
     if (!ws->m[0].reffed)
         ws->flags |= WSF_NO_GAP;
 }
@@ -425,43 +426,79 @@ static __always_inline void ws_blocked(struct tstat *t, u32 asleep, u64 now)
 
 /* Wakes from interrupt context name the interrupted task, not a cause: a timer ending someone's
  * sleep, a device completing I/O. Network receive softirqs are kept: a loopback send delivers in
- * the sender's own softirq, which is the hand-off we follow. */
+ * the sender's own softirq, which is the hand-off we follow. The depth is per CPU; an entry
+ * whose exit was never seen (no interrupt context lasts this long) is forgotten after
+ * IRQ_STALE_NS. */
+#define IRQ_STALE_NS 100000000ULL
+
+struct irq_depth_t {
+    u32 depth;
+    u32 _pad;
+    u64 since;                  /* when depth last rose from 0 */
+};
+BPF_PERCPU_ARRAY(irqctx, struct irq_depth_t, 1);
+
 static __always_inline void irq_depth(int enter)
 {
     int z = 0;
-    u32 *d = irqctx.lookup(&z);
+    struct irq_depth_t *d = irqctx.lookup(&z);
     if (!d)
         return;
-    if (enter)
-        (*d)++;
-    else if (*d)
-        (*d)--;
+    if (enter) {
+        if (!d->depth)
+            d->since = bpf_ktime_get_ns();
+        d->depth++;
+    } else if (d->depth) {
+        d->depth--;
+    }
 }
 
-TRACEPOINT_PROBE(irq, irq_handler_entry) { irq_depth(1); return 0; }
-TRACEPOINT_PROBE(irq, irq_handler_exit) { irq_depth(0); return 0; }
-TRACEPOINT_PROBE(timer, hrtimer_expire_entry) { irq_depth(1); return 0; }
-TRACEPOINT_PROBE(timer, hrtimer_expire_exit) { irq_depth(0); return 0; }
-TRACEPOINT_PROBE(irq, softirq_entry)
+static __always_inline int in_irq_ctx(void)
 {
-    if (args->vec != NET_RX_SOFTIRQ_ && args->vec != NET_TX_SOFTIRQ_)
-        irq_depth(1);
-    return 0;
+    int z = 0;
+    struct irq_depth_t *d = irqctx.lookup(&z);
+    if (!d || !d->depth)
+        return 0;
+    if (bpf_ktime_get_ns() - d->since > IRQ_STALE_NS) {
+        d->depth = 0;
+        return 0;
+    }
+    return 1;
 }
+
+/* BCC attaches an entry before its exit: an interrupt that enters between the two leaves the
+ * depth one too high, which IRQ_STALE_NS undoes (in_irq_ctx). */
+TRACEPOINT_PROBE(irq, irq_handler_exit) { irq_depth(0); return 0; }
+TRACEPOINT_PROBE(timer, hrtimer_expire_exit) { irq_depth(0); return 0; }
 TRACEPOINT_PROBE(irq, softirq_exit)
 {
     if (args->vec != NET_RX_SOFTIRQ_ && args->vec != NET_TX_SOFTIRQ_)
         irq_depth(0);
     return 0;
 }
+#ifdef WITH_IRQ_VECTORS
+/* x86: irq_work runs in its own interrupt (a BPF ring buffer or perf wakeup is one). Raw
+ * tracepoints: these refuse a perf-event attachment here. */
+RAW_TRACEPOINT_PROBE(irq_work_exit) { irq_depth(0); return 0; }
+RAW_TRACEPOINT_PROBE(irq_work_entry) { irq_depth(1); return 0; }
+#endif
+TRACEPOINT_PROBE(irq, irq_handler_entry) { irq_depth(1); return 0; }
+TRACEPOINT_PROBE(timer, hrtimer_expire_entry) { irq_depth(1); return 0; }
+TRACEPOINT_PROBE(irq, softirq_entry)
+{
+    if (args->vec != NET_RX_SOFTIRQ_ && args->vec != NET_TX_SOFTIRQ_)
+        irq_depth(1);
+    return 0;
+}
 
 /* Whether a wake by the current thread (id) of a task with these flags may add it to a set: not
- * a kernel thread (they run deferred work for everyone: softirqs, workqueues), and not a wake
+ * a kernel thread (they run deferred work for everyone: softirqs, workqueues), not the agent
+ * (woken to read the records: it never works for a request it traces), and not a wake
  * made while the waker reads or writes a served connection of one of its sets (that wakes the
  * connection's client: the response arriving). */
-static __always_inline int ws_may_join(struct tstat *t, u64 id, u32 flags)
+static __always_inline int ws_may_join(struct tstat *t, u64 id, u32 flags, u32 wakee_pid)
 {
-    if (flags & PF_KTHREAD_)
+    if ((flags & PF_KTHREAD_) || wakee_pid == AGENT_TGID)
         return 0;
     struct pending_io *io = pending_wr.lookup(&id);
     if (!io)
@@ -482,8 +519,7 @@ static __always_inline int ws_may_join(struct tstat *t, u64 id, u32 flags)
 }
 
 /* The current thread wakes task p (or created it). For each open set the waker is in: a wakee
- * outside the set joins it; waking the reader, or the member that handed it the work, is the
- * reply, and the waker (unless it is the reader) leaves. p's fields are read at offsets the
+ * outside the set joins it; waking the reader is the reply, and the waker leaves. p's fields are read at offsets the
  * agent took from the running kernel's BTF (TASK_*_OFF), only after the early exit, and only
  * those the case needs. */
 static __always_inline int ws_wake(void *p)
@@ -493,9 +529,7 @@ static __always_inline int ws_wake(void *p)
     struct tstat *t = threads.lookup(&me);
     if (!t || !t->nopen)
         return 0;               /* the early exit: the waker is in no open work set */
-    int z = 0;
-    u32 *depth = irqctx.lookup(&z);
-    if (depth && *depth)
+    if (in_irq_ctx())
         return 0;
     u32 wakee = 0;
     bpf_probe_read_kernel(&wakee, sizeof(wakee), p + TASK_PID_OFF);
@@ -519,9 +553,11 @@ static __always_inline int ws_wake(void *p)
         }
         int wi = ws_find(ws, wakee);
         if (wi >= 0 && !ws->m[wi & (WS_MAX - 1)].left) {
-            /* The reply goes to the reader or to whoever handed this thread the work. A wake
-             * of any other member (a lock or GIL hand-off between two helpers) is no reply. */
-            if (my_idx != 0 && (wi == 0 || wi == ws->m[my_idx & (WS_MAX - 1)].parent)) {
+            /* The reply is a wake of the reader. A wake of another member is no reply: lock
+             * and GIL hand-offs between helpers are wakes too, and would end a helper's part
+             * before its work (a ProcessPoolExecutor's feeder thread hands the GIL to the
+             * manager thread that woke it before it writes the task to the worker). */
+            if (my_idx != 0 && wi == 0) {
                 ws_end(ws, &k, my_idx, t, now);
                 u32 slot = ws->m[my_idx & (WS_MAX - 1)].slot;
                 if (slot < WS_SLOTS)
@@ -531,10 +567,16 @@ static __always_inline int ws_wake(void *p)
             continue;
         }
         if (may_join < 0) {
+            /* A thread serving a request it read works for that request: a wake from another
+             * request's member (a lock or GIL hand-off between two handlers, a proxy's upstream
+             * call reaching a server traced on its own) does not make it this one's helper. */
+            struct tstat *known = threads.lookup(&wakee);
             u32 flags = 0;
             bpf_probe_read_kernel(&flags, sizeof(flags), p + TASK_FLAGS_OFF);
-            may_join = ws_may_join(t, id, flags);
             bpf_probe_read_kernel(&wakee_pid, sizeof(wakee_pid), p + TASK_TGID_OFF);
+            may_join = !(known && known->reading) && ws_may_join(t, id, flags, wakee_pid);
+            if (!may_join)
+                break;
             bpf_probe_read_kernel(&comm, sizeof(comm), p + TASK_COMM_OFF);
         }
         if (!may_join)
@@ -544,9 +586,9 @@ static __always_inline int ws_wake(void *p)
             continue;
         w->tgid = wakee_pid;
         if (wi >= 0)
-            ws_begin(ws, &k, wi, w, my_idx, now);   /* a member that had left is handed more */
+            ws_begin(ws, &k, wi, w, now);   /* a member that had left is handed more */
         else
-            ws_add(ws, &k, wakee, w, my_idx, comm, now);
+            ws_add(ws, &k, wakee, w, comm, now);
     }
     return 0;
 }

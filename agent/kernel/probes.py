@@ -119,8 +119,13 @@ KNOBS = frozenset(
         "TASK_PID_OFF",
         "TASK_TGID_OFF",
         "TASK_COMM_OFF",
+        "AGENT_TGID",
+        "WITH_IRQ_VECTORS",
     }
 )
+# x86 only: irq_work's own interrupt, where BPF ring buffer and perf wakeups run (the work set
+# ignores wakes in interrupt context); elsewhere those wakes are not bracketed
+IRQ_VECTOR_TRACEPOINTS = ("irq_vectors:irq_work_entry", "irq_vectors:irq_work_exit")
 # task_struct members the work set reads from a woken task (bpf/http_workset.h), by knob
 TASK_MEMBERS = {
     "flags": "TASK_FLAGS_OFF",
@@ -231,7 +236,7 @@ class HttpProbes:
                 self.status.signals[sig.name] = "off: disabled by configuration"
             elif sig.name == "workset" and "WITH_SCHED" not in knobs:
                 self.status.signals[sig.name] = "off: needs the sched signal"
-            elif sig.name == "workset" and (why := _task_offsets(knobs)):
+            elif sig.name == "workset" and (why := _workset_knobs(knobs, cfg.disabled_tracepoints)):
                 self.status.signals[sig.name] = f"off: {why}"
             else:
                 self.status.signals[sig.name] = "on"
@@ -388,14 +393,18 @@ class HttpProbes:
             bpf.cleanup()  # type: ignore[attr-defined]
 
 
-def _task_offsets(knobs: dict[str, int | None]) -> str | None:
-    """Add the task_struct offsets the work set needs to knobs; or say why they are unknown."""
+def _workset_knobs(knobs: dict[str, int | None], disabled: frozenset[str]) -> str | None:
+    """Add the knobs the work set needs (task_struct offsets, the agent's pid, the x86 irq_work
+    tracepoints when present); or say why it cannot load."""
     try:
         offsets = member_offsets("task_struct", tuple(TASK_MEMBERS))
     except BtfError as exc:
         return f"task_struct offsets not found in the kernel's BTF ({exc})"
     for member, knob in TASK_MEMBERS.items():
         knobs[knob] = offsets[member]
+    knobs["AGENT_TGID"] = os.getpid()
+    if all(tracepoint_exists(tp, disabled) for tp in IRQ_VECTOR_TRACEPOINTS):
+        knobs["WITH_IRQ_VECTORS"] = None
     return None
 
 
