@@ -39,9 +39,11 @@ from tracejoin.core.metrics import Metrics
 TRACEJOIN = Path(sys.executable).parent / "tracejoin"
 PRIVILEGED = (pytest.mark.privileged, pytest.mark.e2e)
 # The names tracejoin's programs (bpf/http.c) have in the kernel: bcc's tracepoint__<cat>__<tp>,
-# which the kernel keeps as <cat>__<tp> or cuts at 15 bytes, and the plain functions.
+# which the kernel keeps as <cat>__<tp> or cuts at 15 bytes, the plain functions, and the work
+# set's raw tracepoints (named after their tracepoint, or raw_tracepoint__<tp>).
 OUR_PROGRAM = re.compile(
-    r"^(tracepoint__\w*|[a-z0-9]+__\w+|scan_req|scan_resp|on_minflt|on_majflt)$"
+    r"^(tracepoint__\w*|[a-z0-9]+__\w+|scan_req|scan_resp|on_minflt|on_majflt"
+    r"|raw_tracepoint__\w+|sched_waking|sched_wakeup_ne\w*|irq_work_(?:entry|exit))$"
 )
 
 
