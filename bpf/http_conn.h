@@ -85,7 +85,7 @@ static __always_inline u64 new_conn_id(void)
 static __always_inline void emit(struct http_record *rec)
 {
     count(CNT_RECORDS_SUBMITTED);
-    if (events.ringbuf_output(rec, sizeof(*rec), 0) != 0)
+    if (events.ringbuf_output(rec, record_size(rec), 0) != 0)
         count(CNT_RINGBUF_FULL);
 }
 

@@ -76,6 +76,16 @@ static __always_inline void finish_request(struct http_record *rec, struct conn 
 }
 
 
+/* Bytes of the record to send: the members it does not use are left out (they are most of a
+ * record's size, and most requests have no helper). */
+static __always_inline u32 record_size(struct http_record *rec)
+{
+    u32 n = rec->ws_nslots;
+    if (n > WS_SLOTS)
+        n = WS_SLOTS;
+    return REC_HTTP_FIXED_SIZE + n * sizeof(struct ws_member);
+}
+
 static __always_inline void note_runq_wait(struct tstat *t, u64 start, u64 now)
 {
     u64 d = now - start;

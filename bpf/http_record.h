@@ -32,7 +32,7 @@
 #define HDR_WINDOW 4096       /* request bytes scanned for headers, request line included */
 #define MAX_PENDING 8         /* requests tracked at once on one connection (pipelining) */
 #define LRU_ENTRIES 16384     /* entries of each per-connection / per-thread LRU map */
-#define RINGBUF_PAGES 256     /* ring buffer size in 4 KiB pages (1 MiB) */
+#define RINGBUF_PAGES 512     /* ring buffer size in 4 KiB pages (2 MiB: ~2,400 full records) */
 #define WS_ENTRIES 4096       /* work sets of open requests kept at once (`worksets` LRU) */
 
 /* Signals a thread accumulates while it works for a request, by index into tstat.tot/sh and
@@ -144,6 +144,9 @@ struct http_record {
     struct ws_member members[WS_SLOTS];
 };
 
+/* A record ends after its last used work-set member: members[ws_nslots..] are not sent. */
+#define REC_HTTP_FIXED_SIZE __builtin_offsetof(struct http_record, members)
+
 /* Per-CPU counters in the `counters` array map, by index. User space exports CNT_FOO as
  * `kernel_foo` (the name is the macro's suffix, lowercased; tests/test_decode.py checks it). */
 #define CNT_RECORDS_SUBMITTED    0 /* records the kernel tried to emit */
@@ -152,9 +155,9 @@ struct http_record {
 #define CNT_NON_HTTP_CONNECTIONS 3 /* first reads on a connection that were not HTTP/1.x */
 #define CNT_REQUEST_STATE_LOST   4 /* request state evicted from the LRU before its response */
 #define CNT_READ_COPY_FAILED     5 /* bpf_probe_read_user failed on a request buffer */
-#define CNT_WORKSET_FULL         6 /* wakes refused: the work set already had WS_MAX threads */
-#define CNT_WORKSET_LOST         7 /* work sets evicted (or never created) before the response */
-#define CNT_WORKSET_REFS_FULL    8 /* threads in more than WS_REFS open work sets at once */
-#define CNT_MAX                 12 /* size of the map: indices in use are below it */
+#define CNT_WORKSET_FULL        20 /* wakes refused: the work set already had WS_MAX threads */
+#define CNT_WORKSET_LOST        21 /* work sets evicted (or never created) before the response */
+#define CNT_WORKSET_REFS_FULL   22 /* threads in more than WS_REFS open work sets at once */
+#define CNT_MAX                 32 /* size of the map: indices in use are below it */
 
 #endif

@@ -115,6 +115,25 @@ def test_decoder_counts_bad_records():
     assert isinstance(dec.decode(bytes(good)), HttpRecord)
 
 
+def test_a_record_ends_after_its_last_used_member():
+    """The kernel sends the fixed part and the work-set members the record uses; fewer bytes
+    than those is a short record, counted and dropped."""
+    m = Metrics()
+    dec = RecordDecoder(m)
+    full = HttpRecord()
+    full.type, full.ws_nslots = REC_HTTP, 2
+    full.members[1].tid = 77
+    raw = bytes(full)
+    member = ctypes.sizeof(WsMember)
+    rec = dec.decode(raw[: record.REC_HTTP_FIXED_SIZE + 2 * member])
+    assert isinstance(rec, HttpRecord) and rec.members[1].tid == 77
+    assert dec.decode(raw[: record.REC_HTTP_FIXED_SIZE + member]) is None  # says 2, holds 1
+    full.ws_nslots = 0
+    assert isinstance(dec.decode(bytes(full)[: record.REC_HTTP_FIXED_SIZE]), HttpRecord)
+    assert dec.decode(bytes(full)[: record.REC_HTTP_FIXED_SIZE - 1]) is None
+    assert m.get("decode_errors", reason="short") == 2
+
+
 @given(st.binary(max_size=2 * ctypes.sizeof(HttpRecord)))
 def test_decoder_never_raises(data):
     dec = RecordDecoder(Metrics())

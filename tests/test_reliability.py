@@ -49,7 +49,7 @@ from hostile import (
 from jaeger import Jaeger, JaegerPorts, find_binary, missing_binary_message
 from jaeger import trace_ids_equal as _same_trace
 from tracejoin.core.model import KIND_SERVER, Span
-from tracejoin.core.record import LRU_ENTRIES, RINGBUF_PAGES, HttpRecord
+from tracejoin.core.record import LRU_ENTRIES, REC_HTTP_FIXED_SIZE, RINGBUF_PAGES, HttpRecord
 from tracejoin.kernel.probes import ProbeConfig
 
 pytestmark = pytest.mark.privileged
@@ -58,7 +58,9 @@ FULL = os.environ.get("TRACEJOIN_FULL_RELIABILITY") == "1"
 
 RINGBUF_BYTES = RINGBUF_PAGES * 4096
 RECORD_BYTES = ctypes.sizeof(HttpRecord)
-RINGBUF_RECORDS = RINGBUF_BYTES // (RECORD_BYTES + 8)  # each record has an 8-byte header
+# each record has an 8-byte header; a record without work-set helpers is shorter
+# (REC_HTTP_FIXED_SIZE), so at most this many fit
+RINGBUF_RECORDS = RINGBUF_BYTES // (REC_HTTP_FIXED_SIZE + 8)
 MAX_BATCH = 512  # BatchExportQueue's default batch: at most one in flight besides the queue
 # spans of one request (server + receive-queue child + 4 run-queue children): spans_built counts
 # a request's spans before they are submitted, so a scrape may see them built but not queued

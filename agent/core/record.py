@@ -36,7 +36,7 @@ REQF_RESP_TRUNC = 0x0200
 HDR_WINDOW = 4096
 MAX_PENDING = 8
 LRU_ENTRIES = 16384
-RINGBUF_PAGES = 256
+RINGBUF_PAGES = 512
 WS_ENTRIES = 4096
 
 # signals a work-set member accumulates (WSIG_*): indices into HttpRecord.shared
@@ -67,10 +67,10 @@ CNT_PIPELINE_SLOTS_FULL = 2
 CNT_NON_HTTP_CONNECTIONS = 3
 CNT_REQUEST_STATE_LOST = 4
 CNT_READ_COPY_FAILED = 5
-CNT_WORKSET_FULL = 6
-CNT_WORKSET_LOST = 7
-CNT_WORKSET_REFS_FULL = 8
-CNT_MAX = 12
+CNT_WORKSET_FULL = 20
+CNT_WORKSET_LOST = 21
+CNT_WORKSET_REFS_FULL = 22
+CNT_MAX = 32
 
 # CNT_FOO is exported as `kernel_foo`: index -> name, and each name's help text.
 KERNEL_COUNTERS: dict[int, str] = {
@@ -203,3 +203,7 @@ class HttpRecord(ctypes.Structure):
         """The captured value prefix: at most 56 bytes, trailing OWS excluded."""
         raw = ctypes.string_at(ctypes.addressof(self) + HttpRecord.tp.offset, TP_CAP)
         return raw[: min(self.tp_len, TP_CAP)]
+
+
+# A record ends after its last used work-set member (bpf/http_enrich.h record_size).
+REC_HTTP_FIXED_SIZE = HttpRecord.members.offset

@@ -1,9 +1,10 @@
 """Ring-buffer bytes -> typed records.
 
-Byte 0 of every record is its type; decoders register by type. Unknown types and short records
-are counted (decode_errors{reason}) and dropped, never fatal. The layout and constants live in
-tracejoin.core.record (the mirror of bpf/http_record.h); they are re-exported here for the
-modules that import them from the kernel side.
+Byte 0 of every record is its type; decoders register by type, with the least and the most
+bytes a record of that type has (an HTTP record ends after its last used work-set member).
+Unknown types and short records are counted (decode_errors{reason}) and dropped, never fatal.
+The layout and constants live in tracejoin.core.record (the mirror of bpf/http_record.h); they
+are re-exported here for the modules that import them from the kernel side.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tracejoin.core.record import (
     HTTP_PATH_MAX,
     KERNEL_COUNTERS,
     REC_HTTP,
+    REC_HTTP_FIXED_SIZE,
     REQF_FIRST_ON_CONN,
     REQF_HDR_DONE,
     REQF_NO_RESPONSE,
@@ -30,8 +32,10 @@ from tracejoin.core.record import (
     REQF_TUPLE,
     RUNQ_SLOTS,
     TP_CAP,
+    WS_SLOTS,
     HttpRecord,
     RunqWait,
+    WsMember,
 )
 
 __all__ = [
@@ -61,16 +65,32 @@ __all__ = [
 Decoder = Callable[[bytes], object]
 
 
+def decode_http(data: bytes) -> HttpRecord | None:
+    """An HTTP record from its fixed part plus the work-set members it says it uses; None when
+    the bytes hold fewer members than that (short)."""
+    rec = HttpRecord.from_buffer_copy(data.ljust(_HTTP_SIZE, b"\0"))
+    if len(data) < REC_HTTP_FIXED_SIZE + min(rec.ws_nslots, WS_SLOTS) * _MEMBER_SIZE:
+        return None
+    return rec
+
+
+_HTTP_SIZE, _MEMBER_SIZE = ctypes.sizeof(HttpRecord), ctypes.sizeof(WsMember)
+
+
 class RecordDecoder:
     """Dispatch on byte 0; count what cannot be decoded."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
-        self._by_type: dict[int, tuple[int, Decoder]] = {}
-        self.register(REC_HTTP, ctypes.sizeof(HttpRecord), HttpRecord.from_buffer_copy)
+        self._by_type: dict[int, tuple[int, int, Decoder]] = {}
+        self.register(REC_HTTP, REC_HTTP_FIXED_SIZE, decode_http, ctypes.sizeof(HttpRecord))
 
-    def register(self, rec_type: int, size: int, decoder: Decoder) -> None:
-        self._by_type[rec_type] = (size, decoder)
+    def register(
+        self, rec_type: int, size: int, decoder: Decoder, max_size: int | None = None
+    ) -> None:
+        """`decoder` gets at least `size` and at most `max_size` (default: `size`) bytes and
+        returns None when they are short for what the record says it holds."""
+        self._by_type[rec_type] = (size, max_size or size, decoder)
 
     def decode(self, data: bytes) -> object | None:
         if not data:
@@ -80,8 +100,8 @@ class RecordDecoder:
         if entry is None:
             self._metrics.inc("decode_errors", reason="unknown_type")
             return None
-        size, decoder = entry
-        if len(data) < size:
+        size, max_size, decoder = entry
+        rec = decoder(data[:max_size]) if len(data) >= size else None
+        if rec is None:
             self._metrics.inc("decode_errors", reason="short")
-            return None
-        return decoder(data[:size])
+        return rec
