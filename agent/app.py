@@ -22,7 +22,8 @@ from tracejoin.config import ConfigError, Settings
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import AttrValue
 from tracejoin.enrich.enricher import Enricher
-from tracejoin.enrich.resources import ResourceResolver, env_resource_attributes, kubelet_client
+from tracejoin.enrich.k8s import KubeletClient, expand_node_name
+from tracejoin.enrich.resources import ResourceResolver, env_resource_attributes
 from tracejoin.kernel.probes import OPTIONAL_TRACEPOINTS, HttpProbes, ProbeConfig, ProbeStatus
 from tracejoin.pipeline.spans import SpanOptions
 from tracejoin.pipeline.stages import (
@@ -148,6 +149,23 @@ def open_gpu(s: Settings, metrics: Metrics, sampler: Any = None) -> tuple[Any, s
     return sampler, f"{n} device{'s' if n != 1 else ''} sampled"
 
 
+def kubelet_client(s: Settings) -> KubeletClient | None:
+    """The kubelet client --kubelet-url asks for; None when unset. ConfigError names the flag."""
+    if not s.kubelet_url:
+        return None
+    try:
+        url = expand_node_name(s.kubelet_url, s.node_name)
+    except ValueError as exc:
+        raise ConfigError(f"kubelet_url (--kubelet-url): {exc}") from exc
+    log.info("pod metadata from the kubelet at %s", url)
+    return KubeletClient(
+        url,
+        token_file=s.kubelet_token_file,
+        ca_file=s.kubelet_ca_file,
+        insecure_tls=s.kubelet_insecure_tls,
+    )
+
+
 # ----------------------------------------------------------------------------- the agent
 
 
@@ -266,7 +284,10 @@ def build_agent(
     observers: Sequence[Observer] = (),
 ) -> Agent:
     """Everything that can be checked before the probes load is checked here (ConfigError)."""
-    env_resource_attributes()  # a bad OTEL_RESOURCE_ATTRIBUTES fails now, naming it
+    try:
+        env_resource_attributes()  # a bad OTEL_RESOURCE_ATTRIBUTES fails now, naming it
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     kubelet = kubelet_client(s)
 
     def make_resources(static: dict[str, AttrValue]) -> ResourceResolver:

@@ -16,6 +16,7 @@ import psutil
 import pytest
 from kubelet_fake import CID, CID2, POD_LIST, UID, FakeKubelet, containerd, pod
 from tracejoin import __version__
+from tracejoin.app import build_agent, kubelet_client
 from tracejoin.config import ConfigError, Settings
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import Resource
@@ -24,7 +25,6 @@ from tracejoin.enrich.resources import (
     REVALIDATE_S,
     ProcessFacts,
     ResourceResolver,
-    kubelet_client,
     read_process_facts,
 )
 
@@ -172,8 +172,10 @@ def test_bad_resource_attributes_and_kubelet_url_are_config_errors(
 ) -> None:
     for bad in ("oops", "k=v,=x", "a=b, novalue"):
         monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", bad)
-        with pytest.raises(ConfigError, match="OTEL_RESOURCE_ATTRIBUTES: expected key=value"):
+        with pytest.raises(ValueError, match="OTEL_RESOURCE_ATTRIBUTES: expected key=value"):
             resolver(Procs())
+        with pytest.raises(ConfigError, match="OTEL_RESOURCE_ATTRIBUTES: expected key=value"):
+            build_agent(Settings(gpu=False), Metrics(), [])
     monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES")
     with pytest.raises(ConfigError, match=r"kubelet_url \(--kubelet-url\).*NODE_NAME"):
         kubelet_client(Settings(kubelet_url="https://${NODE_NAME}:10250/pods"))

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import psutil
 from opentelemetry.sdk.resources import OTEL_RESOURCE_ATTRIBUTES, OTELResourceDetector
 from tracejoin import __version__
-from tracejoin.config import ConfigError, Settings
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import AttrValue, Resource
 from tracejoin.enrich.k8s import (
@@ -38,7 +37,6 @@ from tracejoin.enrich.k8s import (
     KubeletClient,
     PodCache,
     PodIndex,
-    expand_node_name,
     lookup,
     read_cgroup,
     workload_attributes,
@@ -103,11 +101,12 @@ def env_resource_attributes() -> dict[str, AttrValue]:
     """OTEL_RESOURCE_ATTRIBUTES as the OpenTelemetry SDK reads it (W3C Baggage octets,
     percent-decoded values), less the keys that cannot describe an observed process. The SDK
     logs and skips an item that is not key=value; the agent refuses to start instead
-    (ConfigError naming the variable), so a typo never silently drops an attribute."""
+    (ValueError naming the variable: a ConfigError at start-up), so a typo never silently drops
+    an attribute."""
     for item in os.environ.get(OTEL_RESOURCE_ATTRIBUTES, "").split(","):
         key, sep, _ = item.partition("=")
         if item.strip() and (not sep or not key.strip()):
-            raise ConfigError(
+            raise ValueError(
                 f"{OTEL_RESOURCE_ATTRIBUTES}: expected key=value, got {item.strip()!r}"
             )
     # the detector also reads OTEL_SERVICE_NAME into service.name: config.py already did (flag >
@@ -129,23 +128,6 @@ def env_resource_attributes() -> dict[str, AttrValue]:
             ", ".join(sorted(ignored)),
         )
     return out
-
-
-def kubelet_client(s: Settings) -> KubeletClient | None:
-    """The kubelet client --kubelet-url asks for; None when unset. ConfigError names the flag."""
-    if not s.kubelet_url:
-        return None
-    try:
-        url = expand_node_name(s.kubelet_url, s.node_name)
-    except ValueError as exc:
-        raise ConfigError(f"kubelet_url (--kubelet-url): {exc}") from exc
-    log.info("pod metadata from the kubelet at %s", url)
-    return KubeletClient(
-        url,
-        token_file=s.kubelet_token_file,
-        ca_file=s.kubelet_ca_file,
-        insecure_tls=s.kubelet_insecure_tls,
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +298,5 @@ __all__ = [
     "ProcessFacts",
     "ResourceResolver",
     "env_resource_attributes",
-    "kubelet_client",
     "read_process_facts",
 ]
