@@ -768,6 +768,7 @@ class BpfObject:
     type: str
     map_ids: tuple[int, ...] = ()  # programs: the maps they use (and so keep loaded)
     pids: tuple[str, ...] = ()  # bpftool's own holder list, where it is built with it
+    pinned: tuple[str, ...] = ()  # bpffs paths that keep it loaded
 
     def __str__(self) -> str:
         return f"{self.kind} {self.id} {self.name!r} ({self.type})"
@@ -775,7 +776,11 @@ class BpfObject:
 
 def _bpftool_show(kind: str) -> dict[int, BpfObject]:
     out = subprocess.run(
-        ["bpftool", kind, "show", "-j"], check=True, capture_output=True, text=True, timeout=30
+        ["bpftool", "-f", kind, "show", "-j"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=30,
     ).stdout
     return {
         int(o["id"]): BpfObject(
@@ -785,6 +790,7 @@ def _bpftool_show(kind: str) -> dict[int, BpfObject]:
             str(o.get("type", "")),
             tuple(int(m) for m in o.get("map_ids", [])),
             tuple(f"{p.get('pid')} {p.get('comm')}" for p in o.get("pids", [])),
+            tuple(o.get("pinned", [])),
         )
         for o in json.loads(out or "[]")
     }
@@ -844,8 +850,8 @@ def wait_bpf_released(
     The first look comes `settle_s` after the exit: listing maps opens each by id, and doing
     that while the prog_array is being released is what triggers the kernel race. After
     `timeout_s`, anything still loaded fails the test, except a map that is exactly RACE_MAP,
-    once every program is gone, held by no process (/proc/*/fdinfo, bpftool's pid list) and
-    used by no loaded program. Each excuse is printed (shown by `pytest -rA` or `-s`)."""
+    once every program is gone, held by no process (/proc/*/fdinfo, bpftool's pid list), not
+    pinned and used by no loaded program. Each excuse is printed (shown by `pytest -rA` or `-s`)."""
     time.sleep(settle_s)
     t0 = time.monotonic()
     holders: dict[str, list[str]] = {}
@@ -859,8 +865,9 @@ def wait_bpf_released(
         if waited > timeout_s:
             holders = bpf_holders({o.id for o in left_p}, {o.id for o in left_m})
             for o in left_p | left_m:
-                if o.pids:
-                    holders.setdefault(f"{o.kind} {o.id}", []).extend(o.pids)
+                if o.pids or o.pinned:
+                    held = [*o.pids, *(f"pinned at {p}" for p in o.pinned)]
+                    holders.setdefault(f"{o.kind} {o.id}", []).extend(held)
             for p in loaded_p.values():
                 for m in left_m:
                     if m.id in p.map_ids:
@@ -878,7 +885,7 @@ def wait_bpf_released(
     for m in sorted(race, key=lambda o: o.id):
         print(
             f"[bpf-leak excused] {label}: {m} still loaded {settle_s + waited:.0f} s after exit, "
-            "its programs gone, held by no process and no program: the kernel's prog_array "
+            "its programs gone, held by no process, pin or program: the kernel's prog_array "
             "release race (docs/reliability.md, Known gaps)",
             flush=True,
         )
