@@ -524,6 +524,8 @@ def test_otlp_json_file_parses_into_protobuf_with_the_spans(inproc: InProcessCap
         assert s.parent_span_id.hex() == inproc.traffic.parents[tid]
         assert s.end_time_unix_nano > s.start_time_unix_nano > 0
         assert attr(s, "server.port") == inproc.port
+    for name in ("GET /error", "GET /sleep"):  # so the checks by name below see every one
+        assert {by_trace[t].name for t in inproc.traffic.ids[name]} == {name}
     for s, res in servers:
         assert res["process.pid"] == {"intValue": str(inproc.server_pid)}
         if s.name == "GET /error":

@@ -31,10 +31,12 @@ from typing import Any
 
 import pytest
 from harness import free_ports, new_traceparent, server
+from hostile import sigterm_bound_s, wait_bpf_released
 from jaeger import Jaeger, parent_span_id, span_service, span_tags, trace_ids_equal
 from tracejoin.commands.health import HealthServer
 from tracejoin.commands.run import declare_metrics, final_counters
 from tracejoin.core.metrics import Metrics
+from tracejoin.enrich.gpu_sampler import probe_nvml
 
 TRACEJOIN = Path(sys.executable).parent / "tracejoin"
 PRIVILEGED = (pytest.mark.privileged, pytest.mark.e2e)
@@ -348,38 +350,13 @@ def running_agent(
         agent.close()
 
 
-def _map_type(map_id: int) -> str:
-    out = subprocess.run(
-        ["bpftool", "map", "show", "id", str(map_id), "-j"], capture_output=True, text=True
-    )
-    try:
-        return str(json.loads(out.stdout).get("type", ""))
-    except ValueError:
-        return ""
-
-
 def assert_released(agent: AgentProcess, timeout_s: float = 5.0) -> None:
     """None of the programs or maps the agent held are still in the kernel (freeing is
-    asynchronous after the last descriptor closes: poll briefly)."""
+    asynchronous after the last descriptor closes: poll briefly). The one leftover excused is
+    the kernel's orphaned `progs` prog_array, by name and with no holder, and it is printed
+    (hostile.wait_bpf_released; docs/reliability.md, Known gaps)."""
     assert agent.seen_progs, "the agent was never seen holding a BPF program"
-    deadline = time.monotonic() + timeout_s
-    while True:
-        progs = agent.seen_progs & set(bpf_objects("prog"))
-        maps = agent.seen_maps & set(bpf_objects("map"))
-        if not progs and not maps:
-            return
-        if (
-            not progs
-            and all(_map_type(m) == "prog_array" for m in maps)
-            and (time.monotonic() > deadline)
-        ):
-            # A kernel race, not ours: a prog_array can outlive its last holder when another
-            # process walks the maps (bpftool, as this very check does) at the moment the agent
-            # exits (docs/reliability.md). Any other leftover fails.
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"left loaded after exit: programs {sorted(progs)}, maps {sorted(maps)}")
-        time.sleep(0.1)
+    wait_bpf_released(agent.seen_progs, agent.seen_maps, "tracejoin run", timeout_s)
 
 
 def request(port: int, path: str, tp: str | None) -> int:
@@ -417,7 +394,6 @@ def server_span(jaeger: Jaeger, trace_id: int) -> tuple[dict, dict]:
 
 
 SHUTDOWN_TIMEOUT = 3.0
-BOUND_SLACK_S = 3.0  # the watchdog thread can wake ~1 s late while clang compiles on 2 busy CPUs
 
 
 @privileged
@@ -497,14 +473,18 @@ def test_run_end_to_end(bpftool: None, jaeger: Jaeger, tmp_path: Path) -> None:
             modes = {
                 dict(k).get("signal"): v for k, v in fam["tracejoin_probe_mode"].samples.items()
             }
-            assert {"recvq", "tcp_stats", "sched", "tlb_flush", "page_faults"} <= set(modes)
+            assert "tlb_flush" in modes
+            on = ("recvq", "tcp_stats", "sched", "page_faults")  # all there on these hosts
+            assert {k: modes.get(k) for k in on} == dict.fromkeys(on, 1), modes
             tlb = {
                 k: v
                 for k, v in modes.items()
                 if k in ("tlb_hardware", "tlb_flush_fallback", "tlb_off")
             }
             assert list(tlb.values()) == [1], modes
-            assert "tracejoin_gpu_sampler_running" in fam and "tracejoin_gpu_nvml_available" in fam
+            nvml = 1 if probe_nvml().available else 0  # the GPU signal is on by default
+            assert fam["tracejoin_gpu_nvml_available"].get() == nvml
+            assert fam["tracejoin_gpu_sampler_running"].get() == nvml
             assert fam["tracejoin_build_info"].total() == 1
             assert fam["tracejoin_probe_load_seconds"].get() > 0
             for name, f in fam.items():
@@ -535,7 +515,7 @@ def test_run_end_to_end(bpftool: None, jaeger: Jaeger, tmp_path: Path) -> None:
             assert agent.get("/readyz") == (200, "ready\n")
             elapsed = agent.terminate()
             assert agent.proc.returncode == 0, agent.log()
-            assert elapsed <= SHUTDOWN_TIMEOUT + BOUND_SLACK_S, elapsed
+            assert elapsed <= sigterm_bound_s(SHUTDOWN_TIMEOUT), (elapsed, agent.log())
             final = agent.final_counters()
             assert (
                 final["spans_exported"]
@@ -594,7 +574,7 @@ def test_sigterm_is_bounded_with_a_dead_endpoint(bpftool: None, tmp_path: Path, 
                 fam = agent.metrics()
                 assert fam["tracejoin_spans_exported_total"].get(exporter="otlp") == 0
                 elapsed = agent.terminate()
-                assert elapsed <= timeout + BOUND_SLACK_S, (elapsed, agent.log())
+                assert elapsed <= sigterm_bound_s(timeout), (elapsed, agent.log())
                 assert agent.proc.returncode == 0, agent.log()
                 final = agent.final_counters()
                 assert final["spans_built"] >= 5
@@ -628,18 +608,18 @@ def test_sigterm_while_loading_is_bounded(bpftool: None, tmp_path: Path) -> None
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
-        # wait until the kernel has some of its programs (compiling is done, loading is
-        # under way), or a moment into the compile on a fast machine
-        deadline = time.monotonic() + 30
+        # wait until the kernel has some of its programs: compiling is done, loading is under
+        # way (BCC loads each program as it attaches it)
+        deadline = time.monotonic() + 60
         while not agent.seen_progs and time.monotonic() < deadline:
             time.sleep(0.02)
+        assert agent.seen_progs, f"no program loaded 60 s after start:\n{agent.log()}"
         elapsed = agent.terminate()
         stop_watch.set()
         watcher.join()
-        assert elapsed <= timeout + BOUND_SLACK_S, (elapsed, agent.log())
+        assert elapsed <= sigterm_bound_s(timeout), (elapsed, agent.log())
         assert agent.proc.returncode in (0, 3), agent.log()  # 3: exited hard at the bound
-        if agent.seen_progs:
-            assert_released(agent)
+        assert_released(agent)
 
 
 # ------------------------------------------------------------------------ Kubernetes
@@ -754,7 +734,7 @@ def test_k8s_metadata_reaches_jaeger(bpftool: None, jaeger: Jaeger, tmp_path: Pa
                 assert "tracejoin_kubelet_errors_total" not in fam
                 assert len(kubelet.requests) == 1
                 elapsed = agent.terminate()
-                assert elapsed <= SHUTDOWN_TIMEOUT + BOUND_SLACK_S, elapsed
+                assert elapsed <= sigterm_bound_s(SHUTDOWN_TIMEOUT), (elapsed, agent.log())
                 assert_released(agent)
     finally:
         kubelet.close()

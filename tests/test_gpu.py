@@ -288,6 +288,7 @@ def test_per_process_series_are_bounded() -> None:
 def test_attribute_names_say_what_they_measure_and_are_documented() -> None:
     doc = (ROOT / "docs" / "gpu.md").read_text()
     table_names = set(re.findall(r"^\| `(tracejoin\.gpu\.[a-z0-9_.]+)` \|", doc, re.M))
+    assert gj.KERNEL_ACTIVE_AVG in gj.ALL_ATTRIBUTES and gj.DEVICE_UUID in gj.ALL_ATTRIBUTES
     assert table_names == set(gj.ALL_ATTRIBUTES)
     for name in gj.ALL_ATTRIBUTES:
         assert name.startswith("tracejoin.gpu.")
@@ -724,8 +725,12 @@ def test_fake_matches_pynvml_surface() -> None:
     with pytest.raises(pynvml.NVMLError_GpuIsLost):
         fake.nvmlDeviceGetMemoryInfo(dev)
     # Every pynvml function the sampler calls exists in the real module with that name.
+    # (by name, as `_call` takes them, or called directly on the module)
     src = (ROOT / "agent" / "enrich" / "gpu_sampler.py").read_text()
-    for name in set(re.findall(r'"(nvml[A-Z][A-Za-z]+)"', src)):
+    called = set(re.findall(r'"(nvml[A-Z][A-Za-z]+)"|\bnvml\.(nvml[A-Z][A-Za-z]+)\(', src))
+    names = {quoted or direct for quoted, direct in called}
+    assert {"nvmlInit", "nvmlShutdown", "nvmlDeviceGetMemoryInfo", "nvmlGpmSampleGet"} <= names
+    for name in names:
         assert callable(getattr(pynvml, name)), name
         assert callable(getattr(fake, name)), name
 
