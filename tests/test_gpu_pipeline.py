@@ -27,7 +27,7 @@ def test_spans_carry_the_gpu_window_of_their_process(require_root):
     sampler = GpuSampler(Metrics(), nvml=FakeNvml([dev]), interval_s=0.05)
     metrics = Metrics()
     memory = InMemoryExporter()
-    queue = BatchExportQueue(memory, metrics, flush_interval_s=0.05)
+    queue = BatchExportQueue(memory, metrics, flush_interval_s=0.05, name="memory")
     pipeline = Pipeline(
         ProbeConfig(ports=(port,)),
         lambda tlb: SpanBuilder(metrics, tlb_mode=tlb),

@@ -370,18 +370,6 @@ class K8sResolver:
         self._index = PodIndex()
         self._next_refresh = 0.0
         self._failures = 0
-        metrics.describe(
-            "k8s_resolved",
-            "Served processes looked up, by what was found: pod (kubelet metadata), "
-            "container (cgroup only), host (not in a container).",
-        )
-        metrics.describe("kubelet_refreshes", "Pod lists read from the kubelet.")
-        metrics.describe("kubelet_errors", "Kubelet pod-list requests that failed, by reason.")
-        metrics.describe("kubelet_pods", "Pods in the last pod list read from the kubelet.")
-        for result in ("pod", "container", "host"):
-            metrics.inc("k8s_resolved", 0, result=result)
-        if kubelet is not None:
-            metrics.inc("kubelet_refreshes", 0)
 
     def cgroup(self, pid: int) -> CgroupInfo | None:
         now = self._clock()

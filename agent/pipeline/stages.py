@@ -65,14 +65,6 @@ class Pipeline:
         self._reader: threading.Thread | None = None
         self.ready = threading.Event()
         self._stopped = False
-        for name, text in (
-            ("records_received", "Records read from the kernel ring buffer."),
-            ("spans_built", "Spans built (server and child spans)."),
-            ("traceparent_rejected", "Requests whose traceparent broke the W3C rules, by reason."),
-            ("requests_unsampled", "Requests whose caller did not sample them (no span)."),
-            ("records_dropped_userspace", "Records read but not turned into spans, by reason."),
-        ):
-            metrics.describe(name, text)
 
     def start(self) -> None:
         for dest in self.destinations:
