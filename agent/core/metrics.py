@@ -267,7 +267,7 @@ class Metrics:
         """Add to a counter."""
         series = self._inc.get((name, *labels.items()))
         if series is None:
-            series = self._resolve(self._inc, name, labels)
+            series = self._resolve("inc", name, labels)
         with self._lock:
             series.value += value
 
@@ -275,8 +275,9 @@ class Metrics:
         """Set a gauge, or a counter kept elsewhere (`copied`) to its running total."""
         series = self._set.get((name, *labels.items()))
         if series is None:
-            series = self._resolve(self._set, name, labels)
-        series.value = value  # one store: atomic under the GIL
+            series = self._resolve("set", name, labels)
+        # one store, atomic under the GIL; no inc can interleave: a series is one or the other
+        series.value = value
 
     def declare(self, name: str, **labels: str) -> None:
         """Start at 0 every series of `name` with these label values and each declared value
@@ -330,17 +331,16 @@ class Metrics:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _resolve(
-        self, cache: dict[tuple[object, ...], _Series], name: str, labels: dict[str, str]
-    ) -> _Series:
+    def _resolve(self, op: Literal["inc", "set"], name: str, labels: dict[str, str]) -> _Series:
         """Check a (name, labels) pair the first time a call site uses it, then cache it."""
         m = _metric(name)
-        if cache is self._inc and (m.kind != "counter" or m.copied):
+        settable = m.kind == "gauge" or m.copied
+        if op == "inc" and settable:
             raise ValueError(f"{name} is a {_what(m)}: set it, do not inc it")
-        if cache is self._set and m.kind == "counter" and not m.copied:
+        if op == "set" and not settable:
             raise ValueError(f"{name} is a counter: inc it, do not set it")
         series = self._series_for(m, labels)
-        cache[(name, *labels.items())] = series
+        (self._inc if op == "inc" else self._set)[(name, *labels.items())] = series
         return series
 
     def _series_for(self, m: Metric, labels: Mapping[str, str]) -> _Series:
