@@ -7,8 +7,9 @@ Every span given to `submit` ends up in exactly one of these counters:
   spans_dropped{reason="rejected"}         accepted request, span refused (OTLP partial success)
   spans_dropped{reason="shutdown"}         still queued or in flight when shutdown's deadline came,
                                            or submitted after shutdown began
-plus export_retries (re-sent batches) and export_failures (batches given up on). With `name`
-set, every series also carries exporter=<name>, so a fanout's destinations stay apart.
+plus export_retries (re-sent batches) and export_failures (batches given up on). Every series
+carries exporter=<name>, so a fanout's destinations stay apart; all of them start at 0 when the
+queue is made (tracejoin.core.metrics declares the names, labels and reasons).
 
 Memory is bounded: at most max_queue_spans queued plus one batch (max_batch) in flight.
 """
@@ -48,7 +49,7 @@ class BatchExportQueue:
         initial_backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
         max_elapsed_s: float = 60.0,
-        name: str | None = None,
+        name: str,
         rng: random.Random | None = None,
     ) -> None:
         if max_queue_spans < 1 or max_batch < 1:
@@ -63,7 +64,7 @@ class BatchExportQueue:
         self.initial_backoff_s = initial_backoff_s
         self.max_backoff_s = max_backoff_s
         self.max_elapsed_s = max_elapsed_s
-        self._labels = {"exporter": name} if name else {}
+        self._labels = {"exporter": name}
         self._rng = rng or random.Random()
 
         self._cond = threading.Condition(threading.Lock())
@@ -77,11 +78,8 @@ class BatchExportQueue:
         self._finished = False
         self._thread: threading.Thread | None = None
         self._failing = False  # for logging state changes only, not every failed batch
-
-        metrics.describe(EXPORTED, "Spans the destination accepted.")
-        metrics.describe(DROPPED, "Spans lost after the kernel handed them over, by reason.")
-        metrics.describe(RETRIES, "Export attempts repeated after a retryable failure.")
-        metrics.describe(FAILURES, "Batches given up on (permanent failure or retries used up).")
+        for metric in (EXPORTED, DROPPED, RETRIES, FAILURES):
+            metrics.declare(metric, exporter=name)
 
     # -- producer side ---------------------------------------------------------------------
 

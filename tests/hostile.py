@@ -24,7 +24,6 @@ import ctypes
 import json
 import os
 import random
-import re
 import signal
 import socket
 import struct
@@ -37,6 +36,8 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 VALID = "valid"
 OWN = "own"
@@ -540,22 +541,14 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
-_METRIC = re.compile(r"^(\w+)(?:\{(.*)\})?\s+(\S+)$")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
 def parse_prometheus(text: str, prefix: str = "tracejoin_") -> dict[tuple[str, frozenset], float]:
+    """/metrics through prometheus_client's parser, series keyed by the names tracejoin uses:
+    without the prefix and without the `_total` prometheus_client gives counters."""
     out: dict[tuple[str, frozenset], float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _METRIC.match(line)
-        if not m:
-            continue
-        # counters carry the OpenMetrics `_total` suffix; series are keyed without it
-        name = m.group(1).removeprefix(prefix).removesuffix("_total")
-        labels = frozenset(_LABEL.findall(m.group(2) or ""))
-        out[(name, labels)] = float(m.group(3))
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.removeprefix(prefix).removesuffix("_total")
+            out[(name, frozenset(sample.labels.items()))] = sample.value
     return out
 
 

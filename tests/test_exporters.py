@@ -465,7 +465,7 @@ def dead_port() -> int:
 def fast_queue(exporter: SpanExporter, metrics: Metrics, **kw: Any) -> BatchExportQueue:
     opts: dict[str, Any] = dict(
         max_batch=100, flush_interval_s=0.05, initial_backoff_s=0.01, max_backoff_s=0.05,
-        rng=random.Random(1),
+        rng=random.Random(1), name="q",
     )  # fmt: skip
     opts.update(kw)
     return BatchExportQueue(exporter, metrics, **opts)
@@ -635,9 +635,9 @@ def test_queue_grpc_retries_unavailable_then_succeeds(grpc_collector: GrpcCollec
     q.shutdown(5)
     assert grpc_collector.calls == 3
     assert_same_request(grpc_collector.received(), reference_request(spans))
-    assert metrics.get("spans_exported") == 40
-    assert metrics.get("export_retries") == 2
-    assert metrics.get("export_failures") == 0
+    assert metrics.get("spans_exported", exporter="q") == 40
+    assert metrics.get("export_retries", exporter="q") == 2
+    assert metrics.get("export_failures", exporter="q") == 0
     assert metrics.total("spans_dropped") == 0
 
 
@@ -656,9 +656,9 @@ def test_queue_http_retries_503_honouring_retry_after(http_collector: HttpCollec
     assert times[1] - times[0] >= 0.95  # waited as told, not the 10 ms backoff
     assert times[2] - times[1] < 0.5
     assert_same_request(http_collector.received(), reference_request(spans))
-    assert metrics.get("spans_exported") == 20
-    assert metrics.get("export_retries") == 2
-    assert metrics.get("export_failures") == 0
+    assert metrics.get("spans_exported", exporter="q") == 20
+    assert metrics.get("export_retries", exporter="q") == 2
+    assert metrics.get("export_failures", exporter="q") == 0
 
 
 def test_queue_counts_partial_success_rejections(grpc_collector: GrpcCollector) -> None:
@@ -669,8 +669,8 @@ def test_queue_counts_partial_success_rejections(grpc_collector: GrpcCollector) 
         q.submit(s)
     q.start()
     q.shutdown(5)
-    assert metrics.get("spans_exported") == 7
-    assert metrics.get("spans_dropped", reason="rejected") == 3
+    assert metrics.get("spans_exported", exporter="q") == 7
+    assert metrics.get("spans_dropped", reason="rejected", exporter="q") == 3
     assert grpc_collector.calls == 1  # partial success is not retried
 
 
@@ -688,10 +688,10 @@ def test_queue_dead_endpoint_counts_failures_never_raises(dead_port: int, transp
     q.start()
     assert q.force_flush(10)
     q.shutdown(2)
-    assert metrics.get("spans_exported") == 0
-    assert metrics.get("export_failures") == 3  # batches of 10, 10, 5
-    assert metrics.get("export_retries") == 6  # 2 per batch
-    assert metrics.get("spans_dropped", reason="export_failed") == 25
+    assert metrics.get("spans_exported", exporter="q") == 0
+    assert metrics.get("export_failures", exporter="q") == 3  # batches of 10, 10, 5
+    assert metrics.get("export_retries", exporter="q") == 6  # 2 per batch
+    assert metrics.get("spans_dropped", reason="export_failed", exporter="q") == 25
     assert metrics.total("spans_dropped") == 25
 
 
@@ -714,8 +714,8 @@ def test_queue_shutdown_returns_within_deadline_on_blackhole(
     q.shutdown(1.0)
     elapsed = time.monotonic() - t0
     assert elapsed < 1.3, elapsed
-    assert metrics.get("spans_dropped", reason="shutdown") == 35  # in flight + queued
-    assert metrics.get("spans_exported") == 0
+    assert metrics.get("spans_dropped", reason="shutdown", exporter="q") == 35  # in flight + queued
+    assert metrics.get("spans_exported", exporter="q") == 0
     t1 = time.monotonic()
     q.shutdown(1.0)  # idempotent: returns at once
     assert time.monotonic() - t1 < 0.1
@@ -736,10 +736,10 @@ def test_queue_shutdown_survives_a_hung_exporter() -> None:
     t0 = time.monotonic()
     q.shutdown(0.5)
     assert time.monotonic() - t0 < 0.8
-    assert metrics.get("spans_dropped", reason="shutdown") == 10
+    assert metrics.get("spans_dropped", reason="shutdown", exporter="q") == 10
     exp.unblock()
     time.sleep(0.1)
-    assert metrics.get("spans_exported") == 0
+    assert metrics.get("spans_exported", exporter="q") == 0
     assert metrics.total("spans_dropped") == 10
     assert exp.shut_down
 
@@ -758,7 +758,7 @@ def test_queue_worker_stops_at_deadline_instead_of_sleeping_out_a_retry_after() 
     assert q._thread is not None
     q._thread.join(0.5)
     assert not q._thread.is_alive()  # gave up the retry: it could not finish in time
-    assert metrics.get("spans_dropped", reason="shutdown") == 1
+    assert metrics.get("spans_dropped", reason="shutdown", exporter="q") == 1
     assert exp.calls == 1
 
 
@@ -768,11 +768,11 @@ def test_queue_full_drops_are_counted_exactly() -> None:
     q = fast_queue(exp, metrics, max_queue_spans=10)
     accepted = [q.submit(s) for s in make_spans(25)]
     assert accepted == [True] * 10 + [False] * 15
-    assert metrics.get("spans_dropped", reason="queue_full") == 15
+    assert metrics.get("spans_dropped", reason="queue_full", exporter="q") == 15
     assert len(q) == 10
     q.start()
     q.shutdown(5)
-    assert metrics.get("spans_exported") == 10
+    assert metrics.get("spans_exported", exporter="q") == 10
     assert len(exp.spans) == 10
 
 
@@ -789,12 +789,12 @@ def test_queue_full_while_exporter_is_stuck() -> None:
     assert exp.entered.wait(2)  # the first 4 are in flight
     accepted = [q.submit(s) for s in spans[4:]]
     assert accepted == [True] * 8 + [False] * 8
-    assert metrics.get("spans_dropped", reason="queue_full") == 8
+    assert metrics.get("spans_dropped", reason="queue_full", exporter="q") == 8
     exp.unblock()
     assert q.force_flush(5)
     q.shutdown(5)
     assert [s.span_id for s in exp.spans] == [s.span_id for s in spans[:12]]
-    assert metrics.get("spans_exported") == 12
+    assert metrics.get("spans_exported", exporter="q") == 12
 
 
 def test_queue_retries_then_gives_up_and_backs_off() -> None:
@@ -806,15 +806,15 @@ def test_queue_retries_then_gives_up_and_backs_off() -> None:
         q.submit(s)
     q.start()
     assert q.force_flush(5)
-    assert metrics.get("export_retries") == 2
-    assert metrics.get("export_failures") == 1
-    assert metrics.get("spans_dropped", reason="export_failed") == 5
+    assert metrics.get("export_retries", exporter="q") == 2
+    assert metrics.get("export_failures", exporter="q") == 1
+    assert metrics.get("spans_dropped", reason="export_failed", exporter="q") == 5
     # Three calls (1 + 2 retries) used the three failures up: the next batch goes through.
     for s in make_spans(3):
         q.submit(s)
     assert q.force_flush(5)
     q.shutdown(5)
-    assert metrics.get("spans_exported") == 3
+    assert metrics.get("spans_exported", exporter="q") == 3
     assert exp.calls == 4
 
 
@@ -828,8 +828,8 @@ def test_queue_permanent_failure_is_not_retried() -> None:
     q.start()
     q.shutdown(5)
     assert exp.calls == 1
-    assert metrics.get("export_retries") == 0
-    assert metrics.get("spans_dropped", reason="export_failed") == 6
+    assert metrics.get("export_retries", exporter="q") == 0
+    assert metrics.get("spans_dropped", reason="export_failed", exporter="q") == 6
 
 
 def test_queue_max_elapsed_caps_retrying() -> None:
@@ -842,14 +842,14 @@ def test_queue_max_elapsed_caps_retrying() -> None:
     t0 = time.monotonic()
     assert q.force_flush(5)
     assert time.monotonic() - t0 < 1.0
-    assert metrics.get("export_failures") == 1
+    assert metrics.get("export_failures", exporter="q") == 1
     q.shutdown(1)
 
 
 def test_queue_backoff_is_exponential_jittered_and_capped() -> None:
     q = BatchExportQueue(
         InMemoryExporter(), Metrics(), initial_backoff_s=0.5, max_backoff_s=4.0,
-        rng=random.Random(3),
+        rng=random.Random(3), name="q",
     )  # fmt: skip
     for attempt, cap in [(0, 0.5), (1, 1.0), (2, 2.0), (3, 4.0), (10, 4.0)]:
         delays = [q._backoff(attempt, None) for _ in range(200)]
@@ -866,7 +866,7 @@ def test_queue_exports_during_shutdown_with_a_bounded_timeout() -> None:
         q.submit(s)
     q.start()
     q.shutdown(2.0)  # the flush interval is far off: shutdown itself flushes
-    assert metrics.get("spans_exported") == 3
+    assert metrics.get("spans_exported", exporter="q") == 3
     assert exp.timeouts and exp.timeouts[-1] is not None and 0 < exp.timeouts[-1] <= 2.0
 
 
@@ -879,7 +879,7 @@ def test_queue_lifecycle_is_safe() -> None:
     assert exp.shut_down
     q.start()  # after shutdown: no-op
     assert not q.submit(make_span(0))
-    assert metrics.get("spans_dropped", reason="shutdown") == 1
+    assert metrics.get("spans_dropped", reason="shutdown", exporter="q") == 1
 
     q2 = fast_queue(InMemoryExporter(), metrics, name="x")
     q2.submit(make_span(1))
@@ -900,7 +900,7 @@ def test_queue_batches_by_size_and_interval() -> None:
     q.shutdown(1)
     assert sum(exp.batch_sizes) == 20
     assert max(exp.batch_sizes) <= 8
-    assert metrics.get("spans_exported") == 20
+    assert metrics.get("spans_exported", exporter="q") == 20
 
 
 def test_fanout_file_and_grpc_side_by_side(tmp_path: Path, grpc_collector: GrpcCollector) -> None:

@@ -26,7 +26,7 @@ def test_spans_carry_the_gpu_window_of_their_process(require_root):
     sampler = GpuSampler(Metrics(), nvml=FakeNvml([dev]), interval_s=0.05)
     metrics = Metrics()
     memory = InMemoryExporter()
-    queue = BatchExportQueue(memory, metrics, flush_interval_s=0.05)
+    queue = BatchExportQueue(memory, metrics, flush_interval_s=0.05, name="memory")
     agent = build_agent(
         Settings(port=(port,), gpu_sample_hz=1.5), metrics, [queue], gpu_sampler=sampler
     )

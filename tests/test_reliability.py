@@ -43,6 +43,7 @@ from hostile import (
     keepalive_load,
     loaded_bpf_ids,
     new_sent,
+    parse_prometheus,
     short_connections,
     sigterm_bound_s,
     tracejoin_command,
@@ -226,10 +227,9 @@ def test_ring_buffer_losses_add_up_exactly(rel):
     assert built[0] == built[1] + built[2], built
     # and the self-metrics say so, under the documented names
     text = m.prometheus_text()
-    assert any(
-        line.startswith("tracejoin_kernel_ringbuf_full") and line.endswith(f" {k2['ringbuf_full']}")
-        for line in text.splitlines()
-    ), text
+    served = parse_prometheus(text)
+    assert served[("kernel_ringbuf_full", frozenset())] == k2["ringbuf_full"], text
+    assert "tracejoin_kernel_ringbuf_full_total " in text
 
 
 def _read_lines(proc: subprocess.Popen[str], out: queue.Queue[str]) -> None:
@@ -923,8 +923,8 @@ def test_no_pmu_flush_fallback_and_the_rest_works(rel):
         assert "tracejoin.tlb.dtlb_load_misses" not in sp.attributes
         assert dict(sp.resource.attributes)["tracejoin.tlb.mode"] == "flush_fallback"
         assert "tracejoin.sched.runq_wait_ns" in sp.attributes
-    text = agent.metrics.prometheus_text()
-    assert 'tracejoin_probe_mode{signal="tlb_flush_fallback"} 1' in text, text
+    served = parse_prometheus(agent.metrics.prometheus_text())
+    assert served[("probe_mode", frozenset({("signal", "tlb_flush_fallback")}))] == 1
 
 
 # ------------------------------------------------------------------------------ bugs found here

@@ -7,6 +7,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from tracejoin.core.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class HealthServer:
                 elif path == "/metrics":
                     server.refresh()
                     body = server.metrics.prometheus_text()
-                    self._send(200, body, "text/plain; version=0.0.4; charset=utf-8")
+                    self._send(200, body, CONTENT_TYPE_PLAIN_0_0_4)
                 else:
                     self._send(404, "not found\n")
 

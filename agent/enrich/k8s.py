@@ -428,15 +428,6 @@ class PodCache:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        metrics.describe("kubelet_refreshes", "Pod lists read from the kubelet.")
-        metrics.describe("kubelet_errors", "Kubelet pod-list requests that failed, by reason.")
-        metrics.describe("kubelet_pods", "Pods in the last pod list read from the kubelet.")
-        metrics.describe(
-            "kubelet_pods_invalid",
-            "Pod-list items skipped as malformed (not an object, or no uid, name or namespace).",
-        )
-        metrics.inc("kubelet_refreshes", 0)
-        metrics.inc("kubelet_pods_invalid", 0)
 
     def start(self) -> None:
         if self._thread is not None or self._stop.is_set():

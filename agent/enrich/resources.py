@@ -169,30 +169,6 @@ class ResourceResolver:
         self._host = socket.gethostname()
         self._lock = threading.Lock()  # guards _cache only
         self._cache: OrderedDict[int, _Entry] = OrderedDict()
-        metrics.describe(
-            "k8s_resolved",
-            "Process resources built (a new process, or its metadata changed), by what was "
-            "found: pod (kubelet metadata), container (cgroup only), host (not in a container).",
-        )
-        metrics.describe(
-            "kubelet_uid_mismatch",
-            "Kubelet answers not adopted: the pod that the pod list gives a container id "
-            "is not the pod UID in that container's cgroup path.",
-        )
-        metrics.describe(
-            "resource_pid_reused",
-            "Cached process resources replaced because their pid now belongs to a process "
-            "with another start time.",
-        )
-        metrics.describe(
-            "resource_process_gone",
-            "Served processes that had exited before /proc could be read (their spans say "
-            "service.name unknown_service).",
-        )
-        for result in ("pod", "container", "host"):
-            metrics.inc("k8s_resolved", 0, result=result)
-        for name in ("kubelet_uid_mismatch", "resource_pid_reused", "resource_process_gone"):
-            metrics.inc(name, 0)
 
     def start(self) -> None:
         if self.pods is not None:
