@@ -116,7 +116,7 @@ def capture_destinations(
     """`tracejoin capture`: the spans file and the Perfetto timeline, plus OTLP when set."""
     from tracejoin.exporters.queue import BatchExportQueue
 
-    out = [
+    out: list[Destination] = [
         file_destination(spans_path, s, metrics),
         BatchExportQueue(
             perfetto, metrics, max_queue_spans=s.queue_size, name="perfetto", flush_interval_s=0.5
