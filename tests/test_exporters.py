@@ -6,6 +6,7 @@ retries, loss accounting and shutdown deadline. No mocks of gRPC or HTTP.
 from __future__ import annotations
 
 import base64
+import contextlib
 import gzip
 import io
 import json
@@ -45,6 +46,7 @@ from tracejoin.core.model import (
     Span,
 )
 from tracejoin.exporters.base import ExportResult, ExportStatus, InMemoryExporter, SpanExporter
+from tracejoin.exporters.config import exporter_from_env
 from tracejoin.exporters.file_sender import ConsoleExporter, JsonLinesFileExporter
 from tracejoin.exporters.grpc_sender import OtlpGrpcExporter
 from tracejoin.exporters.http_sender import OtlpHttpExporter, parse_retry_after
@@ -453,13 +455,40 @@ def blackhole_port() -> Iterator[int]:
 
 
 @pytest.fixture
-def dead_port() -> int:
-    """A port nothing listens on (connection refused)."""
+def dead_port() -> Iterator[int]:
+    """A port that refuses connections: bound, never listening (so no one else can take it)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    port: int = sock.getsockname()[1]
+    yield sock.getsockname()[1]
     sock.close()
-    return port
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A collector that accepts every connection and reads what it is sent, and never answers
+    (HTTP: no status line; gRPC: not even the HTTP/2 SETTINGS frame)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    conns: list[socket.socket] = []
+
+    def drain(conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while conn.recv(65536):
+                pass
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed at teardown
+                return
+            conns.append(conn)
+            threading.Thread(target=drain, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield server.getsockname()[1]
+    server.close()
+    for conn in conns:
+        conn.close()
 
 
 def fast_queue(exporter: SpanExporter, metrics: Metrics, **kw: Any) -> BatchExportQueue:
@@ -719,6 +748,42 @@ def test_queue_shutdown_returns_within_deadline_on_blackhole(
     t1 = time.monotonic()
     q.shutdown(1.0)  # idempotent: returns at once
     assert time.monotonic() - t1 < 0.1
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+@pytest.mark.parametrize("collector", ["refusing", "silent"])
+def test_shutdown_during_an_outage_accounts_for_every_span(
+    dead_port: int, silent_port: int, protocol: str, collector: str
+) -> None:
+    """Issue 18 section 5: SIGTERM (the queue's shutdown) arrives while a batch is being
+    retried against a collector that is down, with more batches queued behind it. Every span
+    submitted is exported or counted as dropped: exported + dropped == submitted, exactly."""
+    port = dead_port if collector == "refusing" else silent_port
+    exporter = exporter_from_env(
+        {}, {"endpoint": f"http://127.0.0.1:{port}", "protocol": protocol, "timeout_s": 0.1}
+    )
+    metrics = Metrics()
+    # Every backoff (0.2-0.4 s) is longer than the shutdown deadline (0.15 s): the batch being
+    # retried cannot be retried again in time, and the batches behind it get one attempt each.
+    q = BatchExportQueue(
+        exporter, metrics, max_batch=10, flush_interval_s=0.01, max_retries=1000,
+        initial_backoff_s=0.4, max_backoff_s=0.4, max_elapsed_s=600, rng=random.Random(1),
+    )  # fmt: skip
+    spans = make_spans(95)
+    assert all(q.submit(s) for s in spans)
+    q.start()
+    give_up = time.monotonic() + 10
+    while metrics.get("export_retries") < 1:  # the first batch has failed and is retrying
+        assert time.monotonic() < give_up, "the first batch was never retried"
+        time.sleep(0.005)
+    assert len(q) == 85  # nine batches queued behind it
+    q.shutdown(0.15)
+    exported = metrics.get("spans_exported")
+    dropped = {r: metrics.get("spans_dropped", reason=r) for r in ("shutdown", "export_failed")}
+    assert exported == 0
+    assert metrics.total("spans_dropped") == sum(dropped.values())
+    assert exported + sum(dropped.values()) == len(spans), dropped
+    assert dropped["shutdown"] == len(spans)  # given up for want of time, not as failures
 
 
 def test_queue_shutdown_survives_a_hung_exporter() -> None:
