@@ -11,7 +11,10 @@ import gzip
 import io
 import json
 import random
+import shutil
 import socket
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -49,7 +52,7 @@ from tracejoin.exporters.base import ExportResult, ExportStatus, InMemoryExporte
 from tracejoin.exporters.config import exporter_from_env
 from tracejoin.exporters.file_sender import ConsoleExporter, JsonLinesFileExporter
 from tracejoin.exporters.grpc_sender import OtlpGrpcExporter
-from tracejoin.exporters.http_sender import OtlpHttpExporter, parse_retry_after
+from tracejoin.exporters.http_sender import OtlpHttpExporter
 from tracejoin.exporters.otlp_json import (
     decode_request_json,
     encode_request_dict,
@@ -345,12 +348,14 @@ class GrpcCollector(trace_service_pb2_grpc.TraceServiceServicer):
         self.calls = 0
         self.fail: list[tuple[grpc.StatusCode, bytes | None]] = []
         self.rejected = 0
+        self.peers: list[list[bytes]] = []  # TLS: the client certificate's common name per call
         self.endpoint = ""
 
     def Export(self, request: Any, context: Any) -> ExportTraceServiceResponse:
         with self.lock:
             self.calls += 1
             self.metadata.append(dict(context.invocation_metadata()))
+            self.peers.append(context.auth_context().get("x509_common_name", []))
             failure = self.fail.pop(0) if self.fail else None
             if failure is None:
                 self.requests.append(request)
@@ -375,14 +380,24 @@ class GrpcCollector(trace_service_pb2_grpc.TraceServiceServicer):
         return merged
 
 
+def serve_grpc(collector: GrpcCollector, tls: grpc.ServerCredentials | None = None) -> grpc.Server:
+    """A real TraceService on loopback (TLS with `tls`), recording into `collector`."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    if tls is None:
+        port = server.add_insecure_port("127.0.0.1:0")
+        collector.endpoint = f"http://127.0.0.1:{port}"
+    else:
+        port = server.add_secure_port("127.0.0.1:0", tls)
+        collector.endpoint = f"https://127.0.0.1:{port}"
+    server.start()
+    return server
+
+
 @pytest.fixture
 def grpc_collector() -> Iterator[GrpcCollector]:
     collector = GrpcCollector()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    collector.endpoint = f"http://127.0.0.1:{port}"
+    server = serve_grpc(collector)
     yield collector
     server.stop(0)
 
@@ -394,8 +409,10 @@ class HttpCollector:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.requests: list[ExportTraceServiceRequest] = []
-        self.seen: list[tuple[float, str, dict[str, str]]] = []  # (time, path, headers)
+        self.seen: list[tuple[float, str, dict[str, str]]] = []  # (time, path, lower-case headers)
         self.responses: list[tuple[int, dict[str, str]]] = []  # answers for the next calls
+        self.rejected = 0  # partial success: spans reported as not kept
+        self.peers: list[Any] = []  # HTTPS: the client certificate of each request
         self.url = ""
 
     def received(self) -> ExportTraceServiceRequest:
@@ -406,9 +423,8 @@ class HttpCollector:
         return merged
 
 
-@pytest.fixture
-def http_collector() -> Iterator[HttpCollector]:
-    collector = HttpCollector()
+def serve_http(collector: HttpCollector, tls: ssl.SSLContext | None = None) -> ThreadingHTTPServer:
+    """A real OTLP/HTTP collector on loopback (HTTPS with `tls`), recording into `collector`."""
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as a real collector
@@ -418,15 +434,25 @@ def http_collector() -> Iterator[HttpCollector]:
             if self.headers.get("Content-Encoding") == "gzip":
                 body = gzip.decompress(body)
             with collector.lock:
-                collector.seen.append((time.monotonic(), self.path, dict(self.headers)))
-                status, headers = collector.responses.pop(0) if collector.responses else (200, {})
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                collector.seen.append((time.monotonic(), self.path, headers))
+                if tls is not None:
+                    collector.peers.append(self.connection.getpeercert())  # type: ignore[attr-defined]
+                status, answer = collector.responses.pop(0) if collector.responses else (200, {})
                 if status == 200:
                     collector.requests.append(ExportTraceServiceRequest.FromString(body))
-            payload = ExportTraceServiceResponse().SerializeToString() if status == 200 else b"no"
+            resp = ExportTraceServiceResponse()
+            if collector.rejected:
+                resp.partial_success.CopyFrom(
+                    ExportTracePartialSuccess(
+                        rejected_spans=collector.rejected, error_message="old"
+                    )
+                )
+            payload = resp.SerializeToString() if status == 200 else b"no"
             self.send_response(status)
             self.send_header("Content-Type", "application/x-protobuf")
             self.send_header("Content-Length", str(len(payload)))
-            for k, v in headers.items():
+            for k, v in answer.items():
                 self.send_header(k, v)
             self.end_headers()
             self.wfile.write(payload)
@@ -436,12 +462,74 @@ def http_collector() -> Iterator[HttpCollector]:
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    collector.url = f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
+    scheme = "http"
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
+        scheme = "https"
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    collector.url = f"{scheme}://127.0.0.1:{server.server_address[1]}/v1/traces"
+    return server
+
+
+@pytest.fixture
+def http_collector() -> Iterator[HttpCollector]:
+    collector = HttpCollector()
+    server = serve_http(collector)
     yield collector
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate (CN tracejoin-client),
+    made by the openssl command."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed: it makes the test certificates")
+    d = tmp_path_factory.mktemp("pki")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    key = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    openssl("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+            "-subj", "/CN=tracejoin-test-ca")  # fmt: skip
+    for name, ext in (
+        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
+        (d / f"{name}.ext").write_text(ext + "\n")
+        openssl("req", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                "-subj", f"/CN=tracejoin-{name}")  # fmt: skip
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                "-CAcreateserial", "-out", f"{name}.pem", "-days", "2",
+                "-extfile", f"{name}.ext")  # fmt: skip
+    return {n: d / n for n in ("ca.pem", "server.key", "server.pem", "client.key", "client.pem")}
+
+
+@pytest.fixture
+def mtls_collector(pki: dict[str, Path], request: pytest.FixtureRequest) -> Iterator[Any]:
+    """An OTLP collector (protocol: the test's parameter) that requires a client certificate
+    signed by the test CA."""
+    if request.param == "grpc":
+        grpc_side = GrpcCollector()
+        creds = grpc.ssl_server_credentials(
+            [(pki["server.key"].read_bytes(), pki["server.pem"].read_bytes())],
+            root_certificates=pki["ca.pem"].read_bytes(),
+            require_client_auth=True,
+        )
+        server = serve_grpc(grpc_side, creds)
+        yield grpc_side
+        server.stop(0)
+        return
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(pki["ca.pem"]))
+    ctx.load_cert_chain(pki["server.pem"], pki["server.key"])
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    http_side = HttpCollector()
+    http_server = serve_http(http_side, ctx)
+    yield http_side
+    http_server.shutdown()
+    http_server.server_close()
 
 
 @pytest.fixture
@@ -544,9 +632,10 @@ def test_http_exporter_delivers_exact_content(
     assert_same_request(http_collector.received(), want)
     _, path, headers = http_collector.seen[0]
     assert path == "/v1/traces"
-    assert headers["Content-Type"] == "application/x-protobuf"
-    assert headers["Authorization"] == "Bearer t0k"
-    assert headers.get("Content-Encoding") == compression
+    assert headers["content-type"] == "application/x-protobuf"
+    assert headers["authorization"] == "Bearer t0k"
+    assert headers["user-agent"] == f"tracejoin/{tracejoin.__version__}"
+    assert headers.get("content-encoding") == compression
 
 
 def _concat(*reqs: ExportTraceServiceRequest) -> ExportTraceServiceRequest:
@@ -582,6 +671,7 @@ def test_grpc_retry_info_and_status_mapping(grpc_collector: GrpcCollector) -> No
     ]
     assert results[0].retry_after_s == pytest.approx(1.5)
     assert "INVALID_ARGUMENT" in results[2].detail
+    assert grpc_collector.calls == 5  # one call per export: the queue does the retrying
 
 
 def test_http_status_mapping_and_retry_after(http_collector: HttpCollector) -> None:
@@ -599,8 +689,82 @@ def test_http_status_mapping_and_retry_after(http_collector: HttpCollector) -> N
     ]
     assert results[0].retry_after_s == 7.0
     assert results[1].retry_after_s is None
-    assert parse_retry_after("Wed, 21 Oct 2015 07:28:10 GMT", now=1445412480.0) == 10.0
-    assert parse_retry_after("soon") is None
+    assert len(http_collector.seen) == 4  # one request per export: the queue does the retrying
+
+
+@pytest.mark.parametrize("mtls_collector", ["grpc", "http/protobuf"], indirect=True)
+def test_tls_and_mtls_from_the_standard_variables(
+    mtls_collector: Any, pki: dict[str, Path]
+) -> None:
+    """CA, client key and client certificate from OTEL_EXPORTER_OTLP_* (generic and
+    traces-specific mixed) reach the package's transport: the collector sees our client
+    certificate; without it, or without the CA, nothing is delivered."""
+    protocol = "grpc" if isinstance(mtls_collector, GrpcCollector) else "http/protobuf"
+    url = mtls_collector.endpoint if protocol == "grpc" else mtls_collector.url
+    env = {
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": protocol,
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": url,
+        "OTEL_EXPORTER_OTLP_CERTIFICATE": str(pki["ca.pem"]),
+        "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY": str(pki["client.key"]),
+        "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE": str(pki["client.pem"]),
+    }
+    spans = make_spans(7)
+    no_client_cert = {k: v for k, v in env.items() if "CLIENT" not in k}
+    no_ca = {k: v for k, v in env.items() if k != "OTEL_EXPORTER_OTLP_CERTIFICATE"}
+    results = []
+    for variables in (env, no_client_cert, no_ca):
+        exp = exporter_from_env(variables)
+        try:
+            results.append(exp.export(spans, timeout_s=5))
+        finally:
+            exp.shutdown()
+    assert [r.ok for r in results] == [True, False, False], [r.detail for r in results]
+    assert_same_request(mtls_collector.received(), reference_request(spans))
+    if protocol == "grpc":
+        assert mtls_collector.peers == [[b"tracejoin-client"]]
+    else:
+        (peer,) = mtls_collector.peers
+        assert dict(x[0] for x in peer["subject"])["commonName"] == "tracejoin-client"
+
+
+@pytest.mark.parametrize(
+    ("endpoint_form", "insecure", "delivered"),
+    [
+        ("bare", "true", True),  # host:port + INSECURE=true: plaintext
+        ("bare", None, False),  # host:port alone: TLS, which a plaintext collector refuses
+        ("http", "false", True),  # a scheme wins over INSECURE (the spec)
+    ],
+)
+def test_grpc_insecure_follows_the_spec(
+    grpc_collector: GrpcCollector, endpoint_form: str, insecure: str | None, delivered: bool
+) -> None:
+    endpoint = grpc_collector.endpoint
+    if endpoint_form == "bare":
+        endpoint = endpoint.removeprefix("http://")
+    env = {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
+    if insecure is not None:
+        env["OTEL_EXPORTER_OTLP_TRACES_INSECURE"] = insecure
+    exp = exporter_from_env(env)
+    try:
+        result = exp.export(make_spans(2), timeout_s=5)
+    finally:
+        exp.shutdown()
+    assert result.ok is delivered, result.detail
+    assert grpc_collector.calls == (1 if delivered else 0)
+
+
+def test_http_partial_success_and_one_attempt_per_call(http_collector: HttpCollector) -> None:
+    http_collector.rejected = 2
+    exp = OtlpHttpExporter(http_collector.url)
+    try:
+        result = exp.export(make_spans(5))
+        http_collector.responses = [(503, {}), (503, {})]
+        failed = exp.export(make_spans(1))
+    finally:
+        exp.shutdown()
+    assert (result.ok, result.rejected_spans, result.detail) == (True, 2, "old")
+    assert failed.status is ExportStatus.RETRYABLE_FAILURE
+    assert len(http_collector.seen) == 2  # the package's own retry loop is not used
 
 
 @pytest.mark.parametrize("transport", ["grpc", "http"])
