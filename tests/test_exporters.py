@@ -10,6 +10,7 @@ import contextlib
 import gzip
 import io
 import json
+import os
 import random
 import shutil
 import socket
@@ -59,6 +60,7 @@ from tracejoin.exporters.otlp_json import (
     encode_request_json,
 )
 from tracejoin.exporters.otlp_proto import encode_request, encode_request_bytes
+from tracejoin.exporters.perfetto import trace_document
 from tracejoin.exporters.queue import BatchExportQueue, FanoutQueue, fanout
 
 # ----------------------------------------------------------------------------- span factory
@@ -1182,3 +1184,24 @@ def test_inmemory_exporter_satisfies_protocol() -> None:
         assert isinstance(exp, SpanExporter)
     assert ExportResult.SUCCESS.ok and ExportResult.retry("x").retryable
     assert trace_service_pb2.DESCRIPTOR.package == "opentelemetry.proto.collector.trace.v1"
+
+
+# ------------------------------------------------------------------------------ perfetto
+
+
+def test_perfetto_names_tracks_from_the_spans_only() -> None:
+    """Process and thread names come from the span (resource, `thread.name`), never from
+    /proc: this process's own pid and tid, without `thread.name`, stay `thread <tid>`."""
+    pid, tid = os.getpid(), threading.get_native_id()
+    own = Resource((("service.name", "api"), ("process.executable.name", "gunicorn"),
+                    ("process.pid", pid)))  # fmt: skip
+    named, unnamed = make_span(0, own), make_span(1, own)
+    named.attributes = {"thread.id": tid + 1, "thread.name": "worker-3"}
+    unnamed.attributes = {"thread.id": tid}
+    unnamed.start_ns = named.start_ns = 10**18
+    doc = trace_document([named, unnamed])
+    meta = [e for e in doc["traceEvents"] if e["ph"] == "M"]
+    threads = {e["tid"]: e["args"]["name"] for e in meta if e["name"] == "thread_name"}
+    assert threads == {tid + 1: f"worker-3 {tid + 1}", tid: f"thread {tid}"}
+    (process,) = [e["args"]["name"] for e in meta if e["name"] == "process_name"]
+    assert process == "api (gunicorn)"
