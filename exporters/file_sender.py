@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from tracejoin.core.model import STATUS_ERROR, STATUS_OK, Span
+from tracejoin.core.text import terminal_safe
 from tracejoin.exporters.base import ExportResult
 from tracejoin.exporters.otlp_json import encode_request_json
 
@@ -57,11 +58,14 @@ _STATUS_NAMES = {STATUS_OK: "OK", STATUS_ERROR: "ERROR"}
 
 
 def console_line(span: Span) -> str:
+    """One line for a terminal: the name and status message come from HTTP clients, so every
+    control character in them is escaped (a path can carry ESC sequences)."""
     status = _STATUS_NAMES.get(span.status_code, "UNSET")
     if span.status_message:
         status += f" ({span.status_message})"
     ms = span.duration_ns / 1e6
-    return f"{span.trace_id_hex} {span.span_id_hex} {span.name} {ms:.3f} ms {status}"
+    line = f"{span.trace_id_hex} {span.span_id_hex} {span.name} {ms:.3f} ms {status}"
+    return terminal_safe(line)
 
 
 class ConsoleExporter:

@@ -816,6 +816,21 @@ def test_console_exporter_lines() -> None:
     ]
 
 
+def test_console_exporter_escapes_terminal_controls() -> None:
+    """A path like `/ESC]52;c;...BEL ESC[2J` would write the operator's clipboard and clear
+    the screen: C0, DEL and C1 controls are printed escaped, one line per span."""
+    span = make_span(0)
+    span.name = "GET /\x1b]52;c;aGk=\x07\x1b[2J\r\n\x7f\x9b31m"
+    span.status_message = "bad\x1bc"
+    out = io.StringIO()
+    assert ConsoleExporter(out).export([span]).ok
+    text = out.getvalue()
+    assert text.endswith("\n") and text.count("\n") == 1
+    assert not any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in text[:-1])
+    assert "GET /\\x1b]52;c;aGk=\\x07\\x1b[2J\\x0d\\x0a\\x7f\\u009b31m" in text
+    assert text.rstrip("\n").endswith("ERROR (bad\\x1bc)")
+
+
 # --------------------------------------------------------------------------------- queue
 
 
