@@ -15,6 +15,14 @@ Each count is made under the queue's lock, and whichever of the worker and shutd
 first counts a batch, so once shutdown() returns: submitted == exported + dropped, exactly.
 
 Memory is bounded: at most max_queue_spans queued plus one batch (max_batch) in flight.
+
+Retries happen here and only here. The OTLP package's exporters would retry inside export()
+(backoff up to their 10 s timeout, 6 attempts); ours make one attempt per call, so a failure
+is never retried twice over. The queue is the right place because it alone knows the shutdown
+deadline (a retry that cannot finish before it is not started), it counts every retry
+(export_retries) and every given-up batch, it applies one policy to every destination (the
+file included), and its window (max_elapsed_s, 60 s, backoff capped at 8 s) outlasts a collector
+restart, which the package's 10 s does not.
 """
 
 from __future__ import annotations
