@@ -286,8 +286,9 @@ class BatchExportQueue:
         n = len(batch)
         # Counted under the lock that shutdown takes to count what is left: whichever side
         # comes first counts the batch, and shutdown() never returns with a count pending.
+        # Only the batch in flight is counted, and only once.
         with self._cond:
-            if self._abandoned:
+            if self._abandoned or self._inflight is not batch:
                 return
             self._inflight = None
             self._cond.notify_all()
@@ -313,7 +314,7 @@ class BatchExportQueue:
     def _settle_shutdown(self, batch: list[Span]) -> None:
         """The batch cannot be sent before the shutdown deadline: count it as dropped."""
         with self._cond:
-            if self._abandoned:
+            if self._abandoned or self._inflight is not batch:
                 return
             self._inflight = None
             self._cond.notify_all()
