@@ -58,12 +58,14 @@ _STATUS_NAMES = {STATUS_OK: "OK", STATUS_ERROR: "ERROR"}
 
 
 def console_line(span: Span) -> str:
-    # Span names carry client-chosen paths and methods, and this goes to a terminal: escaped.
+    """One line for a terminal: the name and status message come from HTTP clients, so every
+    control character in them is escaped (a path can carry ESC sequences)."""
     status = _STATUS_NAMES.get(span.status_code, "UNSET")
     if span.status_message:
         status += f" ({span.status_message})"
     ms = span.duration_ns / 1e6
-    return terminal_safe(f"{span.trace_id_hex} {span.span_id_hex} {span.name} {ms:.3f} ms {status}")
+    line = f"{span.trace_id_hex} {span.span_id_hex} {span.name} {ms:.3f} ms {status}"
+    return terminal_safe(line)
 
 
 class ConsoleExporter:

@@ -822,7 +822,7 @@ def test_perfetto_document_tracks_children_and_overlaps() -> None:
         resource=res,
         attributes={"thread.id": 4243},
     )
-    doc = trace_document([*spans, overlap], origin_ns=T0, thread_names=False)
+    doc = trace_document([*spans, overlap], origin_ns=T0)
     ev = check_trace_events(doc)
     x = {e["args"]["span_id"]: e for e in ev["X"]}
     first = x[f"{100:016x}"]
@@ -849,7 +849,7 @@ def test_perfetto_gpu_counters_and_streaming_writer(tmp_path: Path) -> None:
         h.memory_busy.append(T0 + i * 100 * MS, i / 20)
         h.state.append(T0 + i * 100 * MS, DeviceState(memory_used=2 * 1024**3, power_w=100.0 + i))
     path = tmp_path / "trace.perfetto.json"
-    w = PerfettoTraceWriter(path, T0, close_on_shutdown=False, thread_names=False)
+    w = PerfettoTraceWriter(path, T0, close_on_shutdown=False)
     spans = _spans(2)
     assert w.export(spans[:1]).ok  # a child arriving in a later batch keeps its parent's track
     assert w.export(spans[1:]).ok
