@@ -171,8 +171,8 @@ OPTIONS: tuple[Opt, ...] = (
     Opt(
         "metrics_address",
         str,
-        "0.0.0.0",
-        "Address the metrics server binds.",
+        "127.0.0.1",
+        "Address the metrics server binds (the DaemonSet sets the pod IP).",
         ENV + "METRICS_ADDRESS",
         commands=("run",),
     ),
@@ -333,7 +333,7 @@ class Settings:
     duration: float | None = None
     output_dir: Path = Path("tracejoin-capture")
     metrics_port: int = 9464
-    metrics_address: str = "0.0.0.0"
+    metrics_address: str = "127.0.0.1"
     shutdown_timeout: float = 5.0
     node_name: str | None = None
     kubelet_url: str | None = None

@@ -126,8 +126,10 @@ def main(argv: list[str]) -> None:
         profile = json.load(fh)
     skipped = load(profile)
     if skipped:
-        print(f"seccomp_exec: not known to libseccomp here, skipped: {' '.join(skipped)}",
-              file=sys.stderr)
+        print(
+            f"seccomp_exec: not known to libseccomp here, skipped: {' '.join(skipped)}",
+            file=sys.stderr,
+        )
     os.execvp(argv[3], argv[3:])
 
 

@@ -51,9 +51,8 @@ def test_symlink_at_the_target_is_not_followed(tmp_path: Path, mode: str) -> Non
     victim.chmod(0o644)
     link = tmp_path / "summary.txt"
     link.symlink_to(victim)
-    with pytest.raises(UnsafeFileError) as err:
-        with open_private(link, mode) as fh:
-            fh.write("overwritten\n")
+    with pytest.raises(UnsafeFileError) as err, open_private(link, mode) as fh:
+        fh.write("overwritten\n")
     msg = str(err.value)
     assert str(link) in msg and "symbolic link" in msg and str(victim) in msg, msg
     assert victim.read_text() == "precious\n"  # not truncated, not appended to

@@ -100,4 +100,3 @@ def _target(path: str) -> str:
         return os.readlink(path)
     except OSError:
         return "?"
-

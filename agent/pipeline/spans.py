@@ -27,6 +27,7 @@ from tracejoin.enrich.correlate import (
     ConnectionTable,
     KernelClock,
     ProcessTable,
+    ProcReads,
     sampling_decision,
     trace_context,
 )
@@ -74,8 +75,9 @@ class SpanBuilder:
     ) -> None:
         self.metrics = metrics
         self.clock = KernelClock()
-        self.conns = ConnectionTable()
-        self.procs = ProcessTable()
+        reads = ProcReads(metrics)  # /proc reads of other processes a capability would allow
+        self.conns = ConnectionTable(reads=reads)
+        self.procs = ProcessTable(reads=reads)
         self.service_name = service_name
         self.extra_resource = dict(resource_attributes or {})
         self.no_parent = no_parent
