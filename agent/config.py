@@ -172,7 +172,7 @@ OPTIONS: tuple[Opt, ...] = (
         "metrics_address",
         str,
         "127.0.0.1",
-        "Address the metrics server binds (the DaemonSet sets the pod IP).",
+        "Address(es) the metrics server binds, comma-separated (the DaemonSet: pod IP, loopback).",
         ENV + "METRICS_ADDRESS",
         commands=("run",),
     ),

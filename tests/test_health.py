@@ -279,13 +279,17 @@ def test_answers(request_bytes: bytes, status: bytes) -> None:
         assert int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0]) == len(body)
 
 
-def test_binds_ipv6_and_refuses_a_taken_port() -> None:
+def test_binds_each_address_given_and_refuses_a_taken_port() -> None:
+    """As the DaemonSet binds it: the pod IP and the pod's loopback, one port (and IPv6)."""
     if not socket.has_ipv6:
         pytest.skip("no IPv6 in this kernel")
-    h = HealthServer("::1", 0, Metrics())
+    h = HealthServer("127.0.0.1, ::1", 0, Metrics())
     h.start()
     try:
+        assert get(f"http://127.0.0.1:{h.port}/healthz") == (200, "ok\n")
         assert get(f"http://[::1]:{h.port}/healthz") == (200, "ok\n")
+        with pytest.raises(ConnectionRefusedError):  # not on every address
+            socket.create_connection(("127.0.0.2", h.port), timeout=5)
         with pytest.raises(OSError):
             HealthServer("::1", h.port, Metrics())
     finally:

@@ -44,10 +44,29 @@ _REASONS = {
 }
 
 
+def _listen(address: str, port: int) -> socket.socket:
+    """A listening TCP socket, IPv4 or IPv6 by the address (a pod IP can be either)."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(
+        address or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # "::" is IPv6 only
+        sock.bind(sockaddr)
+        sock.listen(128)  # a burst of connections waits here, not in SYN retries
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class HealthServer:
     """/healthz (alive: the reader thread runs once started), /readyz (probes attached and not
-    stopping), /metrics (Prometheus text). Binds at construction (a taken port or a bad address
-    is a start-up error); start/shutdown are idempotent."""
+    stopping), /metrics (Prometheus text). `address`: one address or several, comma-separated.
+    Binds at construction (a taken port or a bad address is a start-up error); start/shutdown
+    are idempotent."""
 
     def __init__(
         self,
@@ -71,19 +90,18 @@ class HealthServer:
             f"(timeout), the oldest when more than {max_connections} were open (over_limit), a "
             f"request head over {HEAD_BYTES} bytes (head_too_large).",
         )
-        # IPv4 or IPv6 by the address given: a pod IP can be either.
-        family, _, _, _, sockaddr = socket.getaddrinfo(
-            address or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        # One listening socket per comma-separated address, all on one port (the first one's
+        # when port is 0): the DaemonSet binds the pod IP and the pod's loopback.
+        self._socks: list[socket.socket] = []
         try:
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._sock.bind(sockaddr)
-            self._sock.listen(128)  # a burst of connections waits here, not in SYN retries
+            for addr in [a.strip() for a in address.split(",")] or [""]:
+                self._socks.append(_listen(addr, port))
+                port = self._socks[0].getsockname()[1]
         except OSError:
-            self._sock.close()
+            for sock in self._socks:
+                sock.close()
             raise
-        self.port: int = self._sock.getsockname()[1]
+        self.port: int = port
         # open connection -> its peer's address; dict order is accept order
         self._open: dict[asyncio.StreamWriter, str] = {}
         self._thread: threading.Thread | None = None
@@ -190,15 +208,20 @@ class HealthServer:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        server = await asyncio.start_server(self._connection, sock=self._sock, limit=HEAD_BYTES)
+        servers = [
+            await asyncio.start_server(self._connection, sock=sock, limit=HEAD_BYTES)
+            for sock in self._socks
+        ]
         self._running.set()
         try:
             await self._stop.wait()
         finally:
-            server.close()
+            for server in servers:
+                server.close()
             for writer in list(self._open):
                 writer.transport.abort()
-            await server.wait_closed()
+            for server in servers:
+                await server.wait_closed()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -217,4 +240,5 @@ class HealthServer:
                     self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(5.0)
             self._thread = None
-        self._sock.close()
+        for sock in self._socks:
+            sock.close()

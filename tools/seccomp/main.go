@@ -20,7 +20,7 @@
 // x86_64 (with its x86 and x32 sub-architectures, as the runtime default does) and aarch64
 // (with arm): the generator runs on amd64, so the aarch64-only syscalls are listed below.
 //
-// Usage (from this directory): go run . > ../../deploy/seccomp/tracejoin.json
+// Usage: scripts/seccomp-profile.sh (builds this with build.sh and writes every copy).
 // tests/test_deploy.py re-runs it and requires the committed file to be identical.
 package main
 
