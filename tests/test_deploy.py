@@ -886,6 +886,14 @@ def test_operations_doc_explains_the_posture() -> None:
     for word in (
         "hostPID",
         "seccomp",
+        "localhostProfile",
+        "/var/lib/kubelet/seccomp/tracejoin/tracejoin.json",
+        "NetworkPolicy",
+        "make image-lock",
+        "deploy/requirements.lock",
+        "--require-hashes",
+        "proc_reads_failed",
+        "metrics_server_connections_dropped",
         "readOnlyRootFilesystem",
         "tracejoin doctor",
         "helm install",
@@ -893,6 +901,9 @@ def test_operations_doc_explains_the_posture() -> None:
         "tracejoin_spans_dropped",
     ):
         assert word in doc, word
+    # never "not privileged" without saying what the capabilities still allow
+    assert not re.search(r"(?i)\bis (\*\*)?not privileged", doc), "unqualified 'not privileged'"
+    assert "any kernel memory" in doc
 
 
 # ------------------------------------------------------------------------- capabilities, for real
