@@ -82,8 +82,10 @@ if [ ! -x "$JAEGER" ]; then
 fi
 ln -sfn "$JAEGER" "$CACHE/jaeger"
 
-# 6. helm and the offline Kubernetes schema validator for tests/test_deploy.py, built once
+# 6. helm, the offline Kubernetes schema validator and the seccomp profile generator for
+# tests/test_deploy.py, built once
 # into the cache (helm's first build takes a few minutes).
 tools/helm/build.sh >/dev/null
 tools/k8sschema/build.sh >/dev/null
+tools/seccomp/build.sh >/dev/null   # the seccomp profile generator (test_deploy.py)
 say "ready (venv $VENV, jaeger $JAEGER)"
