@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 # Targets that need root: they install packages, mount tracefs and load BPF.
 ROOT_TARGETS := capture test bench ebpf setup setup-capture
 
-.PHONY: $(ROOT_TARGETS) setup-dev unit lint clean
+.PHONY: $(ROOT_TARGETS) setup-dev unit lint clean image image-lock requirements-lock seccomp-profile
 
 ifneq ($(shell id -u),0)
 # Not root: re-run the same target through sudo where it is installed, else say how to.
@@ -55,6 +55,25 @@ lint: setup-dev
 	$(VENV)/bin/ruff check agent exporters tests bench scripts
 	$(VENV)/bin/ruff format --check agent exporters tests bench scripts
 	$(PY) scripts/lint_package.py
+
+## The agent image, on the base pinned in deploy/base-image.lock (IMAGE=repo:tag to name it).
+IMAGE ?= registry.example.com/tracejoin:0.1.0
+image:
+	@grep -Eq '^[^ ]+@sha256:[0-9a-f]{64}$$' deploy/base-image.lock || \
+		{ echo "deploy/base-image.lock holds no pinned base image: run make image-lock" >&2; exit 1; }
+	docker build -f deploy/Dockerfile --build-arg BASE_IMAGE="$$(cat deploy/base-image.lock)" -t $(IMAGE) .
+
+## Resolve debian:bookworm-slim's current digest into deploy/base-image.lock (needs a registry).
+image-lock:
+	./scripts/image-lock.sh
+
+## Re-pin the image's Python dependencies, with hashes (needs pip-tools and PyPI).
+requirements-lock:
+	./scripts/requirements-lock.sh
+
+## Regenerate the agent's seccomp profile and its copies in the chart and manifests.
+seccomp-profile:
+	./scripts/seccomp-profile.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache out

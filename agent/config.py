@@ -198,9 +198,9 @@ class Settings:
         commands=("run",),
     )
     metrics_address: str = option(
-        "0.0.0.0",
+        "127.0.0.1",
         str,
-        "Address the metrics server binds.",
+        "Address(es) the metrics server binds, comma-separated (the DaemonSet: pod IP, loopback).",
         ENV + "METRICS_ADDRESS",
         commands=("run",),
     )

@@ -42,6 +42,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tracejoin.core.files import open_private
 from tracejoin.core.gpu import DeviceHistory
 from tracejoin.core.model import KIND_SERVER, STATUS_ERROR, STATUS_OK, Span
 from tracejoin.exporters.base import ExportResult
@@ -296,7 +297,7 @@ class PerfettoTraceWriter:
     def _write(self, events: list[dict[str, Any]]) -> None:
         """Append events; the caller holds the lock."""
         if self._file is None:
-            self._file = open(self.partial, "w", encoding="utf-8", errors="replace")  # noqa: SIM115
+            self._file = open_private(self.partial, "w", errors="replace")  # 0600, no symlinks
             self._file.write('{"traceEvents":[\n')
         if not events:
             return

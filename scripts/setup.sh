@@ -130,4 +130,5 @@ fi
 ln -sfn "$JAEGER" "$CACHE/jaeger"
 tools/helm/build.sh >/dev/null
 tools/k8sschema/build.sh >/dev/null
+tools/seccomp/build.sh >/dev/null   # the seccomp profile generator (test_deploy.py)
 say "ready for the tests (venv $VENV, jaeger $JAEGER)"

@@ -557,7 +557,7 @@ class Scrape:
 
     Strict about names: asking for a family /metrics does not serve is an AssertionError, never
     a 0, so `get("renamed_counter") == 0` cannot pass by accident. Every counter the tests
-    compare with zero is declared at zero from the first scrape (`declare_metrics`). A label
+    compare with zero is declared at zero from the first scrape (`tracejoin.core.metrics`). A label
     set not (yet) served within a family that is there reads 0, as in Prometheus."""
 
     def __init__(self, series: dict[tuple[str, frozenset], float]) -> None:

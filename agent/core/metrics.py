@@ -179,6 +179,23 @@ METRICS: tuple[Metric, ...] = (
     gauge("ready", "1 while /readyz answers 200."),
     gauge("build_info", "Always 1; the version label is tracejoin's.", "version"),
     counter(
+        "metrics_server_connections_dropped",
+        "Connections to the metrics port closed unanswered: open longer than the per-connection "
+        "deadline (timeout), the oldest of the busiest peer when too many were open "
+        "(over_limit), a request head over 8 KiB (head_too_large).",
+        "reason",
+        values={"reason": ("timeout", "over_limit", "head_too_large")},
+    ),
+    counter(
+        "proc_reads_failed",
+        "Reads of another process's /proc files that failed: denied (a capability the agent "
+        "was not granted; the first of each kind is logged naming it) or gone (the process or "
+        "fd went away).",
+        "what",
+        "reason",
+        values={"what": ("fd", "netns", "exe"), "reason": ("denied", "gone")},
+    ),
+    counter(
         "capture_tick_errors",
         "Capture ticks (kernel counters, GPU samples for the timeline) that raised; "
         "the capture goes on.",
