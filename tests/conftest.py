@@ -92,7 +92,7 @@ def agent(jaeger: Jaeger) -> Iterator[object]:
         pytest.skip(reason)
     from harness import Agent, free_ports
 
-    a = Agent(free_ports(24), "http://" + jaeger.otlp_grpc_endpoint)
+    a = Agent(free_ports(64), "http://" + jaeger.otlp_grpc_endpoint)  # one per take_port()
     a.start()
     yield a
     a.shutdown()

@@ -286,17 +286,20 @@ def test_pod_metadata_arrives_in_the_background(kubelet: FakeKubelet) -> None:
     metrics = Metrics()
     procs = Procs({100: in_pod("python3"), 101: in_pod("envoy", CID2)})
     r = resolver(procs, kubelet=kubelet, metrics=metrics, clock=time.monotonic)  # type: ignore[arg-type]
-    r.start()
+    scheduled, kubelet.doc = kubelet.doc, {"kind": "PodList", "items": []}
+    r.start()  # the start-up sync reads the (empty) list
     try:
+        assert metrics.get("kubelet_refreshes") == 1
+        kubelet.doc = scheduled  # the pod starts after the agent
         res = attrs(r.resource(100))
         # meanwhile: what the cgroup gives, and nothing invented
         assert res["container.id"] == CID and res["k8s.pod.uid"] == UID
         assert "k8s.pod.name" not in res and res["service.name"] == "python3"
-        wait_for(lambda: metrics.get("kubelet_refreshes") == 1, "the pod list")
+        wait_for(lambda: metrics.get("kubelet_refreshes") == 2, "the pod list")
         assert attrs(r.resource(100)).items() >= CHECKOUT_K8S.items()
         assert attrs(r.resource(101))["k8s.container.name"] == "istio-proxy"
-        assert len(kubelet.requests) == 1  # the second container came from the same list
-        assert "Authorization" not in kubelet.requests[0]  # never a token over plain http
+        assert len(kubelet.requests) == 2  # the second container came from the same list
+        assert "Authorization" not in kubelet.requests[1]  # never a token over plain http
         assert metrics.get("k8s_resolved", result="container") == 1
         assert metrics.get("k8s_resolved", result="pod") == 2
     finally:
@@ -308,7 +311,7 @@ def test_a_slow_kubelet_never_delays_a_lookup(kubelet: FakeKubelet) -> None:
     metrics = Metrics()
     procs = Procs({100: in_pod("python3")})
     r = resolver(procs, kubelet=kubelet, metrics=metrics, clock=time.monotonic, timeout_s=10)  # type: ignore[arg-type]
-    r.start()
+    r.start(sync_timeout_s=0)  # lookups while the first list is still on its way
     try:
         assert "k8s.pod.name" not in attrs(r.resource(100))
         wait_for(kubelet.arrived.is_set, "the kubelet request")
@@ -327,7 +330,7 @@ def test_lookups_never_block_on_a_hung_kubelet(kubelet: FakeKubelet) -> None:
     kubelet.mode = "hang"
     procs = Procs({100: in_pod("python3"), 200: in_pod("envoy", CID2)})
     r = resolver(procs, kubelet=kubelet, clock=time.monotonic, timeout_s=60)  # type: ignore[arg-type]
-    r.start()
+    r.start(sync_timeout_s=0.5)  # start-up's wait is bounded too
     results: list[Resource] = []
 
     def lookups() -> None:

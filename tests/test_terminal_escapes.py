@@ -62,7 +62,6 @@ def spans_by_trace(path: Path) -> dict[str, dict[str, object]]:
 def test_hostile_method_and_path_never_reach_a_terminal_raw(
     require_root: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tracejoin.app import probe_config
     from tracejoin.commands.capture import run_capture
     from tracejoin.config import Settings
 
@@ -96,7 +95,7 @@ def test_hostile_method_and_path_never_reach_a_terminal_raw(
     worker = threading.Thread(target=traffic, daemon=True)
     with server("threaded", port) as srv:
         s = Settings(pid=(srv.pid,), port=(port,), duration=3.0, output_dir=tmp_path)
-        rc = run_capture(s, probe_config(s), printed, on_ready=worker.start)
+        rc = run_capture(s, printed, on_ready=worker.start)
         worker.join(10)
     assert not errors, errors
     assert rc == 0, printed.getvalue()

@@ -33,6 +33,7 @@ from tracejoin import __version__
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import AttrValue, Resource
 from tracejoin.enrich.k8s import (
+    SYNC_TIMEOUT_S,
     CgroupInfo,
     KubeletClient,
     PodCache,
@@ -170,9 +171,11 @@ class ResourceResolver:
         self._lock = threading.Lock()  # guards _cache only
         self._cache: OrderedDict[int, _Entry] = OrderedDict()
 
-    def start(self) -> None:
+    def start(self, sync_timeout_s: float = SYNC_TIMEOUT_S) -> None:
+        """Start the kubelet refresher; waits up to `sync_timeout_s` for the first pod list, so
+        the pods already on the node are named from the first span (start-up, not a reader)."""
         if self.pods is not None:
-            self.pods.start()
+            self.pods.start(sync_timeout_s)
 
     def shutdown(self, timeout_s: float = 1.0) -> None:
         """Stop the kubelet refresher; idempotent, safe without start. `resource` keeps
