@@ -5,9 +5,10 @@
 One realistic record (GET with a valid sampled traceparent, tuple known, receive-queue wait,
 TLB flush fallback: what the Go server produces) goes through each stage of `tracejoin run` in a
 tight loop: decode, enrichment (traceparent validation inside), span building, metrics, and the
-encoders (OTLP-JSON for the file destination `tracejoin run` writes in bench/run.py, OTLP protobuf for the OTLP
-destinations). CPU µs per record, best of 3. What the live agent spends beyond their sum is
-the ring-buffer callback path (BCC's ctypes callback, string_at), the queues and the threads.
+encoders (OTLP-JSON for the file destination `tracejoin run` writes in bench/run.py, OTLP
+protobuf for the OTLP destinations). CPU µs per record, best of 3. What the live agent spends
+beyond their sum is the ring-buffer callback path (BCC's ctypes callback, string_at), the queues
+and the threads.
 """
 
 from __future__ import annotations
