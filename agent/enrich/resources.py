@@ -18,6 +18,7 @@ the container and pod, `static` (tracejoin.tlb.mode), and --service-name / OTEL_
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -32,6 +33,7 @@ from opentelemetry.sdk.resources import OTEL_RESOURCE_ATTRIBUTES, OTELResourceDe
 from tracejoin import __version__
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import AttrValue, Resource
+from tracejoin.enrich.correlate import ProcReads
 from tracejoin.enrich.k8s import (
     SYNC_TIMEOUT_S,
     CgroupInfo,
@@ -81,20 +83,25 @@ class ProcessFacts:
     cgroup: CgroupInfo | None  # None: not in a container
 
 
-def read_process_facts(pid: int) -> ProcessFacts | None:
+def read_process_facts(pid: int, reads: ProcReads | None = None) -> ProcessFacts | None:
     """psutil's view of pid (/proc/<pid>/stat for start time and name, a readlink of exe)
     plus its cgroup; None when the process is gone. The executable of another user's
-    process needs CAP_SYS_PTRACE: without it, it is None, never the thread name."""
+    process needs CAP_SYS_PTRACE: without it, it is None, never the thread name, and the
+    denial is counted in `reads` (proc_reads_failed{what="exe"})."""
     try:
         proc = psutil.Process(pid)
         with proc.oneshot():
             start, name = proc.create_time(), proc.name()
-            try:
-                exe: str | None = os.path.basename(proc.exe()) or None
-            except psutil.Error:
-                exe = None
     except psutil.Error:
         return None
+    # The link itself, not psutil.exe(): where the link is denied, that guesses from argv[0],
+    # which the process chose. A name we did not read is omitted, never guessed.
+    try:
+        exe: str | None = os.path.basename(os.readlink(f"/proc/{pid}/exe")) or None
+    except OSError as exc:
+        exe = None
+        if reads is not None:
+            reads.failed("exe", f"/proc/{pid}/exe", exc)
     return ProcessFacts(start, name, exe, read_cgroup(pid))
 
 
@@ -151,7 +158,7 @@ class ResourceResolver:
         static: Mapping[str, AttrValue],
         kubelet: KubeletClient | None,
         node_name: str | None,
-        facts: Callable[[int], ProcessFacts | None] = read_process_facts,
+        facts: Callable[[int], ProcessFacts | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         revalidate_s: float = REVALIDATE_S,
         max_entries: int = MAX_ENTRIES,
@@ -161,7 +168,8 @@ class ResourceResolver:
         self._service_name = service_name or None
         self._static = dict(static)
         self._node_name = node_name or None
-        self._facts = facts
+        # denied reads of another process's executable are counted, and logged once
+        self._facts = facts or functools.partial(read_process_facts, reads=ProcReads(metrics))
         self._clock = clock
         self._revalidate_s = revalidate_s
         self._max_entries = max_entries
