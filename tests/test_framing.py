@@ -118,8 +118,9 @@ class Client:
         self.buf += part
         return bool(part)
 
-    def response(self) -> tuple[int, bytes]:
-        """(status, the whole response as bytes); (0, b"") if the server closed first."""
+    def response(self, head: bool = False) -> tuple[int, bytes]:
+        """(status, the whole response as bytes); (0, b"") if the server closed first. `head`:
+        the response to a HEAD request (no body, whatever its headers say)."""
         while b"\r\n\r\n" not in self.buf and b"\n\n" not in self.buf:
             if not self._fill():
                 return 0, b""
@@ -129,7 +130,9 @@ class Client:
         lines = head.replace(b"\r\n", b"\n").split(b"\n")
         status = int(lines[0].split()[1])
         fields = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(b":") for ln in lines)}
-        if fields.get(b"transfer-encoding", b"").lower() == b"chunked":
+        if head:
+            pass
+        elif fields.get(b"transfer-encoding", b"").lower() == b"chunked":
             pos = end
             while True:
                 while b"\r\n" not in self.buf[pos:]:
@@ -153,9 +156,9 @@ class Client:
         resp, self.buf = self.buf[:end], self.buf[end:]
         return status, resp
 
-    def request(self, payload: bytes) -> int:
+    def request(self, payload: bytes, head: bool = False) -> int:
         self.sock.sendall(payload)
-        return self.response()[0]
+        return self.response(head)[0]
 
     def close(self) -> None:
         self.sock.close()
@@ -668,3 +671,31 @@ def test_http10_close_delimited_response(fx):
     assert span.attributes["http.response.status_code"] == 200
     assert span.attributes["http.response.size"] == len(resp)
     assert span.attributes["tracejoin.http.response_unframed"] is True
+
+
+def test_head_and_interim_responses_keep_the_connection_in_step(fx):
+    """HEAD's response has no body whatever its Content-Length says; a 100 Continue is followed
+    by the final response of the same request (regression guards for the parser rewrite)."""
+    head, post, after = new_sent("/head"), new_sent("/continue"), new_sent("/after-head")
+    go = Client(fx.go_port)
+    assert go.request(get_bytes(head).replace(b"GET ", b"HEAD ", 1), head=True) == 200
+    assert go.request(get_bytes(after)) == 200
+    go.close()
+    assert fx.span_of(head).attributes["http.request.method"] == "HEAD"
+    assert fx.span_of(after).attributes["http.response.status_code"] == 200
+
+    def cont(k: socket.socket) -> None:
+        k.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+        time.sleep(0.01)
+        k.sendall(ok(201))
+
+    second = new_sent("/after-continue")
+    with Scripted(fx.port(), serve_each(cont, lambda k: k.sendall(ok(202)))) as srv:
+        c = Client(srv.lsock.getsockname()[1])
+        c.sock.sendall(get_bytes(post))
+        assert c.response()[0] == 100
+        assert c.response()[0] == 201
+        assert c.request(get_bytes(second)) == 202
+        c.close()
+    assert fx.span_of(post).attributes["http.response.status_code"] == 201
+    assert fx.span_of(second).attributes["http.response.status_code"] == 202
