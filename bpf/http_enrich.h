@@ -5,8 +5,37 @@
  * (start_thread_stats) and takes the difference when it ends (finish_request).
  */
 
+#if defined(TLB_HW) && !defined(WITH_SCHED)
+#error "TLB_HW needs WITH_SCHED: the counters are read at every context switch of the thread"
+#endif
+
+#ifdef TLB_HW
+/* The thread's hardware dTLB/iTLB load misses so far: completed on-CPU slices (added up at
+ * each switch-out) plus the slice running now on this CPU. Call it in the thread itself. */
+static __always_inline void tlb_hw_now(struct tstat *t, u64 *d, u64 *i)
+{
+    int cpu = bpf_get_smp_processor_id();
+    u64 dn = dtlb.perf_read(cpu), in = itlb.perf_read(cpu);
+    *d = t->tlb_a;
+    *i = t->tlb_b;
+    if ((s64)dn >= 0) {
+        if (!t->hw_d_in)
+            t->hw_d_in = dn;        /* first sight of the thread: its slice is counted from here */
+        else if (dn >= t->hw_d_in)
+            *d += dn - t->hw_d_in;
+    }
+    if ((s64)in >= 0) {
+        if (!t->hw_i_in)
+            t->hw_i_in = in;
+        else if (in >= t->hw_i_in)
+            *i += in - t->hw_i_in;
+    }
+}
+#endif
+
 /* Snapshot per-thread totals into the record as negatives; finish_request adds the totals at
- * the end, leaving the delta without a second copy of the baseline. */
+ * the end, leaving the delta without a second copy of the baseline. Runs in the reading
+ * thread. */
 static __always_inline void start_thread_stats(struct http_record *rec, u32 tid)
 {
     struct tstat zero = {};
@@ -20,8 +49,15 @@ static __always_inline void start_thread_stats(struct http_record *rec, u32 tid)
     t->runq_max = 0;
     rec->runq_ns = -t->runq_total;
     rec->offcpu_ns = -t->offcpu_total;
+#ifdef TLB_HW
+    u64 d = 0, i = 0;
+    tlb_hw_now(t, &d, &i);          /* misses so far, the running slice included */
+    rec->tlb_a = -d;
+    rec->tlb_b = -i;
+#else
     rec->tlb_a = -t->tlb_a;
     rec->tlb_b = -t->tlb_b;
+#endif
     rec->minflt = -(u32)t->minflt;
     rec->majflt = -(u32)t->majflt;
     rec->nr_switches = -(u32)t->switches;
@@ -43,8 +79,18 @@ static __always_inline void finish_request(struct http_record *rec, struct conn 
     rec->runq_ns += t->runq_total;
     rec->runq_max_ns = t->runq_max;
     rec->offcpu_ns += t->offcpu_total;
+#ifdef TLB_HW
+    /* In the reading thread (the usual case: it writes the response), read the counters now;
+     * from another thread, the reading thread's count as of its last switch-out. */
+    u64 d = t->tlb_a, i = t->tlb_b;
+    if ((u32)bpf_get_current_pid_tgid() == tid)
+        tlb_hw_now(t, &d, &i);
+    rec->tlb_a += d;
+    rec->tlb_b += i;
+#else
     rec->tlb_a += t->tlb_a;
     rec->tlb_b += t->tlb_b;
+#endif
     rec->minflt += (u32)t->minflt;
     rec->majflt += (u32)t->majflt;
     rec->nr_switches += (u32)t->switches;

@@ -263,6 +263,7 @@ def test_docs_list_exactly_the_declared_metrics() -> None:
 
 
 def test_module_is_the_ground_floor() -> None:
-    """tracejoin.core.metrics imports nothing of tracejoin's (the layering rule)."""
+    """tracejoin.core.metrics imports nothing of tracejoin's outside the ground floor (the
+    layering rule; make lint checks the whole graph)."""
     src = Path(core_metrics.__file__).read_text()
-    assert not re.search(r"^\s*(from|import) tracejoin", src, re.MULTILINE)
+    assert not re.search(r"^\s*(from|import) tracejoin(?!\.core\.)", src, re.MULTILINE)

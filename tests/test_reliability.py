@@ -947,11 +947,6 @@ def test_port_filter_covers_connections_from_before(rel):
     assert submitted == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: when 8 requests are open on a connection, the rest of that read is skipped "
-    "and pipeline_slots_full counts 1, not one per request lost (docs/reliability.md)",
-)
 def test_pipelined_requests_beyond_the_limit_are_each_counted(rel):
     """20 pipelined requests in one write: every one becomes a span or is counted in
     pipeline_slots_full."""

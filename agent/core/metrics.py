@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric as _Family
 from prometheus_client.registry import Collector
+from tracejoin.core.record import KERNEL_COUNTER_HELP, KERNEL_COUNTERS
 
 PREFIX = "tracejoin_"
 Kind = Literal["counter", "gauge"]
@@ -73,14 +74,6 @@ def gauge(
 
 
 # Label value sets owned by other modules; tests/test_metrics.py checks each against its owner.
-KERNEL_COUNTERS = (  # tracejoin.kernel.decode.KERNEL_COUNTERS (CNT_* in bpf/http_record.h)
-    "records_submitted",
-    "ringbuf_full",
-    "pipeline_slots_full",
-    "non_http_connections",
-    "request_state_lost",
-    "read_copy_failed",
-)
 TRACEPARENT_REASONS = (  # tracejoin.enrich.traceparent.REASONS
     "duplicate",
     "truncated",
@@ -105,21 +98,14 @@ PROBE_SIGNALS = (  # tracejoin.kernel.probes: OPTIONAL_SIGNALS, page_faults, tlb
 )
 SPAN_DROP_REASONS = ("queue_full", "export_failed", "rejected", "shutdown")  # exporters.queue
 
-_KERNEL_HELP = {
-    "records_submitted": "Records the kernel tried to put in the ring buffer.",
-    "ringbuf_full": "Records lost in the kernel: the ring buffer had no room.",
-    "pipeline_slots_full": "Requests not tracked: too many pipelined on one connection.",
-    "non_http_connections": (
-        "Connections whose first read was not HTTP/1.x (TLS, HTTP/2, gRPC...)."
-    ),
-    "request_state_lost": "Request state evicted from the kernel's LRU map before its response.",
-    "read_copy_failed": "Request buffers the kernel could not copy from user memory.",
-}
-
 METRICS: tuple[Metric, ...] = (
     # kernel -> reader
     counter("records_received", "Records read from the kernel ring buffer."),
-    *(counter("kernel_" + n, _KERNEL_HELP[n], copied=True) for n in KERNEL_COUNTERS),
+    # the kernel's own counters, copied in: names and help from the C<->Python contract
+    *(
+        counter("kernel_" + n, KERNEL_COUNTER_HELP[n].rstrip(".") + ".", copied=True)
+        for n in KERNEL_COUNTERS.values()
+    ),
     counter(
         "decode_errors",
         "Ring-buffer records that could not be decoded, by reason.",

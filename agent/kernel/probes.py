@@ -210,14 +210,24 @@ class HttpProbes:
         if cfg.comm:
             knobs["FILTER_COMM"] = None
         if cfg.tlb_hardware is not False:
-            if pmu_tlb_available():
+            if not pmu_tlb_available():
+                if cfg.tlb_hardware:
+                    raise ProbeError(
+                        "--tlb hardware: no hardware dTLB/iTLB counter opens here "
+                        "(no PMU, e.g. in a VM); use --tlb auto for the "
+                        "tlb:tlb_flush fallback (see `tracejoin doctor`)"
+                    )
+            elif self.status.signals.get("sched") != "on":
+                # The counters are per CPU: a thread's share is only right when it is read
+                # at every switch of the thread, which needs sched:sched_switch.
+                if cfg.tlb_hardware:
+                    raise ProbeError(
+                        "--tlb hardware needs the sched signal (sched:sched_switch): the "
+                        f"counters are read at each context switch; sched is "
+                        f"{self.status.signals.get('sched')}"
+                    )
+            else:
                 knobs["TLB_HW"] = None
-            elif cfg.tlb_hardware:
-                raise ProbeError(
-                    "--tlb hardware: no hardware dTLB/iTLB counter opens here "
-                    "(no PMU, e.g. in a VM); use --tlb auto for the "
-                    "tlb:tlb_flush fallback (see `tracejoin doctor`)"
-                )
         return knobs
 
     def render(self, knobs: dict[str, int | None] | None = None) -> tuple[str, list[str]]:
