@@ -118,9 +118,9 @@ class Client:
         self.buf += part
         return bool(part)
 
-    def response(self, head: bool = False) -> tuple[int, bytes]:
-        """(status, the whole response as bytes); (0, b"") if the server closed first. `head`:
-        the response to a HEAD request (no body, whatever its headers say)."""
+    def response(self, to_head: bool = False) -> tuple[int, bytes]:
+        """(status, the whole response as bytes); (0, b"") if the server closed first.
+        `to_head`: the response to a HEAD request (no body, whatever its headers say)."""
         while b"\r\n\r\n" not in self.buf and b"\n\n" not in self.buf:
             if not self._fill():
                 return 0, b""
@@ -130,7 +130,7 @@ class Client:
         lines = head.replace(b"\r\n", b"\n").split(b"\n")
         status = int(lines[0].split()[1])
         fields = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(b":") for ln in lines)}
-        if head:
+        if to_head:
             pass
         elif fields.get(b"transfer-encoding", b"").lower() == b"chunked":
             pos = end
@@ -156,9 +156,9 @@ class Client:
         resp, self.buf = self.buf[:end], self.buf[end:]
         return status, resp
 
-    def request(self, payload: bytes, head: bool = False) -> int:
+    def request(self, payload: bytes, to_head: bool = False) -> int:
         self.sock.sendall(payload)
-        return self.response(head)[0]
+        return self.response(to_head)[0]
 
     def close(self) -> None:
         self.sock.close()
@@ -678,7 +678,7 @@ def test_head_and_interim_responses_keep_the_connection_in_step(fx):
     by the final response of the same request (regression guards for the parser rewrite)."""
     head, post, after = new_sent("/head"), new_sent("/continue"), new_sent("/after-head")
     go = Client(fx.go_port)
-    assert go.request(get_bytes(head).replace(b"GET ", b"HEAD ", 1), head=True) == 200
+    assert go.request(get_bytes(head).replace(b"GET ", b"HEAD ", 1), to_head=True) == 200
     assert go.request(get_bytes(after)) == 200
     go.close()
     assert fx.span_of(head).attributes["http.request.method"] == "HEAD"
