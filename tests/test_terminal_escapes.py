@@ -18,10 +18,11 @@ from click.testing import CliRunner
 from harness import free_ports, new_traceparent, server
 from tracejoin.commands.cli import main
 
-# The payload: OSC 52 (write the clipboard), then clear the screen, then a C1 CSI.
-HOSTILE_PATH = b"/\x1b]52;c;aGVsbG8=\x07\x1b[2J\xc2\x9b31m"
-ENCODED_PATH = "/%1B]52;c;aGVsbG8=%07%1B[2J%C2%9B31m"
-HOSTILE_METHOD = b"DELE\x1bc"  # passes today's 4-byte method_at check in the kernel
+# clear screen, bell, reset, a C1 CSI; then an OSC 52 clipboard write, whose ";c;..." the kernel
+# drops with the rest of the segment's ;params (url.path is the path only)
+HOSTILE_PATH = b"/\x1b[2J\x07\x1bc\xc2\x9b31m/\x1b]52;c;aGVsbG8=\x07"
+ENCODED_PATH = "/%1B[2J%07%1Bc%C2%9B31m/%1B]52"
+HOSTILE_METHOD = b"DELE\x1bc"  # the kernel checks a method whole: this opens no request
 
 
 def assert_inert(what: str, data: bytes) -> None:
