@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
 from tracejoin.config import ConfigError, Settings
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import AttrValue
@@ -199,6 +200,7 @@ class Agent:
         self.ready = threading.Event()
         self._lock = threading.Lock()
         self._stopped = False
+        self._self = psutil.Process()
 
     @property
     def status(self) -> ProbeStatus:
@@ -246,10 +248,15 @@ class Agent:
         """The reader runs (true before start, when nothing is expected to run yet)."""
         return self.pipeline is None or self.pipeline.reader_alive()
 
-    def kernel_counters(self) -> dict[str, int]:
-        if self.pipeline is None:
-            return {}
-        return self.pipeline.kernel_counters()
+    def refresh_metrics(self) -> None:
+        """Copy in what is kept elsewhere as running totals: the kernel's counters, and the
+        agent's own CPU time and resident memory (psutil), so /metrics and the capture's
+        counters show what the agent itself costs."""
+        usage = self._self.cpu_times()
+        self.metrics.set("process_cpu_seconds", usage.user + usage.system)
+        self.metrics.set("process_resident_memory_bytes", self._self.memory_info().rss)
+        if self.pipeline is not None:
+            self.pipeline.kernel_counters()
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Source-first under one deadline: detach, drain, flush, close. Idempotent."""

@@ -120,11 +120,11 @@ class StubPipeline:
         self._reader: threading.Thread | None = None
         self.kernel_reads = 0
 
-    def kernel_counters(self) -> dict[str, int]:
+    def refresh_metrics(self) -> None:
         self.kernel_reads += 1
         if self.kernel_reads > 1:
             raise OSError("maps closed under us")  # a scrape during shutdown
-        return {}
+        return None
 
     def alive(self) -> bool:
         return self._reader is None or self._reader.is_alive()

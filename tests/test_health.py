@@ -90,7 +90,7 @@ class SlowLoris:
 
 
 class FakePipeline:
-    """What HealthServer reads from the agent (`alive()`, `kernel_counters()`), with a reader
+    """What HealthServer reads from the agent (`alive()`, `refresh_metrics()`), with a reader
     thread that drains a queue as the real one drains the ring buffer."""
 
     def __init__(self, metrics: Metrics) -> None:
@@ -107,10 +107,10 @@ class FakePipeline:
     def alive(self) -> bool:
         return self._reader.is_alive()
 
-    def kernel_counters(self) -> dict[str, int]:
+    def refresh_metrics(self) -> None:
         # the way the real pipeline copies the kernel's counters in at each scrape
         self.metrics.set("kernel_records_submitted", self.consumed)
-        return {}
+        return None
 
     def stop(self) -> None:
         self.records.put(None)

@@ -55,7 +55,8 @@ def test_names_follow_one_convention() -> None:
 
 def test_label_value_sets_match_their_owners() -> None:
     copied = {m.name for m in METRICS if m.copied}
-    assert copied == {"kernel_" + n for n in decode.KERNEL_COUNTERS.values()}
+    kernel = {"kernel_" + n for n in decode.KERNEL_COUNTERS.values()}
+    assert copied == kernel | {"process_cpu_seconds"}  # the agent's own CPU, from psutil
     assert set(DECLARED["traceparent_rejected"].values["reason"]) == set(traceparent.REASONS)
     signals = {s.name for s in probes.OPTIONAL_SIGNALS} | {"page_faults"}
     tlb_modes = {"hardware", "flush_fallback", "off"}  # ProbeStatus.tlb_mode

@@ -195,7 +195,7 @@ def _capture(
             if s.duration is not None and elapsed >= s.duration:
                 break
             try:
-                agent.kernel_counters()
+                agent.refresh_metrics()
                 if gpu is not None:
                     perfetto.add_gpu_samples(gpu.histories())
             except Exception:  # counted and logged; the capture goes on (principle 5)

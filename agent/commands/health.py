@@ -119,7 +119,7 @@ class HealthServer:
         self.metrics.set("ready", 1 if self.ready() else 0)
         if self.pipeline is not None:
             try:
-                self.pipeline.kernel_counters()
+                self.pipeline.refresh_metrics()
             except Exception:  # maps closing under a concurrent shutdown
                 log.debug("kernel counters unavailable", exc_info=True)
 

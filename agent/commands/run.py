@@ -138,7 +138,7 @@ def _run(
         )
         while not stop.event.wait(1.0):
             try:
-                agent.kernel_counters()
+                agent.refresh_metrics()
             except Exception:
                 log.exception("reading kernel counters failed")
 

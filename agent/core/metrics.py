@@ -165,6 +165,15 @@ METRICS: tuple[Metric, ...] = (
     gauge("ready", "1 while /readyz answers 200."),
     gauge("build_info", "Always 1; the version label is tracejoin's.", "version"),
     counter(
+        "process_cpu_seconds",
+        "CPU time (user + system) the agent process itself has used (psutil), read at each scrape.",
+        copied=True,
+    ),
+    gauge(
+        "process_resident_memory_bytes",
+        "Resident memory of the agent process itself (psutil), read at each scrape.",
+    ),
+    counter(
         "metrics_server_connections_dropped",
         "Connections to the metrics port closed unanswered: open longer than the per-connection "
         "deadline (timeout), the oldest of the busiest peer when too many were open "
