@@ -18,11 +18,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
 from tracejoin.config import ConfigError, Settings
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import AttrValue
 from tracejoin.enrich.enricher import Enricher
-from tracejoin.enrich.resources import ResourceResolver, env_resource_attributes, kubelet_client
+from tracejoin.enrich.k8s import KubeletClient, expand_node_name
+from tracejoin.enrich.resources import ResourceResolver, env_resource_attributes
 from tracejoin.kernel.probes import OPTIONAL_TRACEPOINTS, HttpProbes, ProbeConfig, ProbeStatus
 from tracejoin.pipeline.spans import SpanOptions
 from tracejoin.pipeline.stages import (
@@ -115,7 +117,7 @@ def capture_destinations(
     """`tracejoin capture`: the spans file and the Perfetto timeline, plus OTLP when set."""
     from tracejoin.exporters.queue import BatchExportQueue
 
-    out = [
+    out: list[Destination] = [
         file_destination(spans_path, s, metrics),
         BatchExportQueue(
             perfetto, metrics, max_queue_spans=s.queue_size, name="perfetto", flush_interval_s=0.5
@@ -146,6 +148,23 @@ def open_gpu(s: Settings, metrics: Metrics, sampler: Any = None) -> tuple[Any, s
         return None, f"off ({status.reason})"
     n = len(sampler.histories())
     return sampler, f"{n} device{'s' if n != 1 else ''} sampled"
+
+
+def kubelet_client(s: Settings) -> KubeletClient | None:
+    """The kubelet client --kubelet-url asks for; None when unset. ConfigError names the flag."""
+    if not s.kubelet_url:
+        return None
+    try:
+        url = expand_node_name(s.kubelet_url, s.node_name)
+    except ValueError as exc:
+        raise ConfigError(f"kubelet_url (--kubelet-url): {exc}") from exc
+    log.info("pod metadata from the kubelet at %s", url)
+    return KubeletClient(
+        url,
+        token_file=s.kubelet_token_file,
+        ca_file=s.kubelet_ca_file,
+        insecure_tls=s.kubelet_insecure_tls,
+    )
 
 
 # ----------------------------------------------------------------------------- the agent
@@ -181,6 +200,7 @@ class Agent:
         self.ready = threading.Event()
         self._lock = threading.Lock()
         self._stopped = False
+        self._self = psutil.Process()
 
     @property
     def status(self) -> ProbeStatus:
@@ -228,10 +248,15 @@ class Agent:
         """The reader runs (true before start, when nothing is expected to run yet)."""
         return self.pipeline is None or self.pipeline.reader_alive()
 
-    def kernel_counters(self) -> dict[str, int]:
-        if self.pipeline is None:
-            return {}
-        return self.pipeline.kernel_counters()
+    def refresh_metrics(self) -> None:
+        """Copy in what is kept elsewhere as running totals: the kernel's counters, and the
+        agent's own CPU time and resident memory (psutil), so /metrics and the capture's
+        counters show what the agent itself costs."""
+        usage = self._self.cpu_times()
+        self.metrics.set("process_cpu_seconds", usage.user + usage.system)
+        self.metrics.set("process_resident_memory_bytes", self._self.memory_info().rss)
+        if self.pipeline is not None:
+            self.pipeline.kernel_counters()
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Source-first under one deadline: detach, drain, flush, close. Idempotent."""
@@ -266,7 +291,10 @@ def build_agent(
     observers: Sequence[Observer] = (),
 ) -> Agent:
     """Everything that can be checked before the probes load is checked here (ConfigError)."""
-    env_resource_attributes()  # a bad OTEL_RESOURCE_ATTRIBUTES fails now, naming it
+    try:
+        env_resource_attributes()  # a bad OTEL_RESOURCE_ATTRIBUTES fails now, naming it
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     kubelet = kubelet_client(s)
 
     def make_resources(static: dict[str, AttrValue]) -> ResourceResolver:

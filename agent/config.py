@@ -1,34 +1,70 @@
-"""One source of truth for settings: every option is declared once here, with its flag, its
-environment-variable twin, its config-file key and its help. Precedence is
-flags > environment > config file > defaults (click's own order, with the file as default_map).
+"""One source of truth for settings: every option is declared once, as a field of `Settings`
+whose metadata carries its flag's type, its help and its environment-variable twin; the flag
+(--key-with-dashes) and the config-file key (the field name) follow from the field's name.
+OPTIONS, the click options and the config-file validation are all read from those fields.
+
+Precedence, all of it here: flags > environment > config file > defaults. Click applies that
+order itself (the file is its default_map); `Settings.from_click` adds the one rule click
+cannot know (a config-file value yields to the OpenTelemetry signal-specific variable).
 Errors name the flag, variable or key they came from.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 import yaml
 from click.core import ParameterSource
 
+T = TypeVar("T")
+ENV = "TRACEJOIN_"
+BOTH = ("capture", "run")
+
 
 @dataclass(frozen=True)
 class Opt:
-    key: str  # config-file key and the Python name (dashes -> underscores)
-    type: Any
+    """One option as the command line, the environment and the config file see it."""
+
+    key: str  # config-file key and the Settings field (dashes -> underscores)
+    type: Any  # the click type values are converted with (bool: a --x/--no-x flag pair)
     default: Any
     help: str
-    envvar: str | None = None
+    envvar: str
     multiple: bool = False
-    commands: tuple[str, ...] = ("capture", "run")
+    commands: tuple[str, ...] = BOTH
+    # A variable that, when set, outranks this option's config-file value (but not its flag).
+    file_yields_to: str | None = None
 
     @property
     def flag(self) -> str:
         return "--" + self.key.replace("_", "-")
+
+
+def option(
+    default: T,
+    type: Any,
+    help: str,
+    envvar: str,
+    *,
+    multiple: bool = False,
+    commands: tuple[str, ...] = BOTH,
+    file_yields_to: str | None = None,
+) -> T:
+    """A Settings field together with everything its flag, variable and config key need."""
+    spec = {
+        "type": type,
+        "help": help,
+        "envvar": envvar,
+        "multiple": multiple,
+        "commands": commands,
+        "file_yields_to": file_yields_to,
+    }
+    return field(default=default, metadata={"option": spec})
 
 
 class HttpUrl(click.ParamType):
@@ -50,184 +86,195 @@ class HttpUrl(click.ParamType):
         return text
 
 
-ENV = "TRACEJOIN_"
-OPTIONS: tuple[Opt, ...] = (
-    Opt(
-        "pid",
-        int,
+@dataclass(frozen=True)
+class Settings:
+    """Every option of `capture` and `run`, with its default, flag type, help and variable."""
+
+    pid: tuple[int, ...] = option(
         (),
+        int,
         "Only requests served by this process id (repeatable).",
         ENV + "PIDS",
         multiple=True,
-    ),
-    Opt(
-        "port",
-        click.IntRange(1, 65535),
+    )
+    port: tuple[int, ...] = option(
         (),
+        click.IntRange(1, 65535),
         "Only requests on this local TCP port (repeatable).",
         ENV + "PORTS",
         multiple=True,
-    ),
-    Opt(
-        "comm",
-        str,
+    )
+    comm: str | None = option(
         None,
+        str,
         "Only requests served by processes with this name (comm, 15 chars).",
         ENV + "COMM",
-    ),
-    Opt(
-        "service_name",
-        str,
+    )
+    service_name: str | None = option(
         None,
+        str,
         "service.name for all spans (default: the process name).",
         "OTEL_SERVICE_NAME",
-    ),
-    Opt(
-        "otlp_endpoint",
-        str,
+    )
+    # The file's value is passed to the exporter as an override, which would outrank every
+    # OTEL_* variable: it yields to the traces-specific one so that environment > file holds.
+    otlp_endpoint: str | None = option(
         None,
+        str,
         "Also send spans to this OTLP endpoint (e.g. http://jaeger:4317).",
         "OTEL_EXPORTER_OTLP_ENDPOINT",
-    ),
-    Opt(
-        "otlp_protocol",
-        click.Choice(["grpc", "http/protobuf"]),
+        file_yields_to="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    )
+    otlp_protocol: str | None = option(
         None,
+        click.Choice(["grpc", "http/protobuf"]),
         "OTLP transport (default http/protobuf, the OTLP spec's default: posts to "
         "<endpoint>/v1/traces; grpc for port 4317).",
         "OTEL_EXPORTER_OTLP_PROTOCOL",
-    ),
-    Opt(
-        "no_parent",
-        click.Choice(["root", "skip"]),
+        file_yields_to="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    )
+    no_parent: str = option(
         "root",
+        click.Choice(["root", "skip"]),
         "Requests without a valid traceparent: start a new trace (root) or emit nothing.",
         ENV + "NO_PARENT",
-    ),
-    Opt(
-        "unsampled",
-        click.Choice(["follow", "record"]),
+    )
+    unsampled: str = option(
         "follow",
+        click.Choice(["follow", "record"]),
         "Requests whose caller did not sample (flags & 1 == 0): follow it (no span) or record.",
         ENV + "UNSAMPLED",
-    ),
-    Opt(
-        "runq_threshold_ms",
-        click.FloatRange(0.01, 10_000),
+    )
+    runq_threshold_ms: float = option(
         1.0,
+        click.FloatRange(0.01, 10_000),
         "Run-queue waits at least this long become child spans.",
         ENV + "RUNQ_THRESHOLD_MS",
-    ),
-    Opt(
-        "tlb",
-        click.Choice(["auto", "hardware", "flush"]),
+    )
+    tlb: str = option(
         "auto",
+        click.Choice(["auto", "hardware", "flush"]),
         "TLB signal: hardware dTLB/iTLB misses when the PMU opens (auto), or force one.",
         ENV + "TLB",
-    ),
-    Opt(
-        "disable_tracepoint",
-        str,
+    )
+    disable_tracepoint: tuple[str, ...] = option(
         (),
+        str,
         "Treat this optional tracepoint as absent, e.g. sched:sched_switch (repeatable).",
         ENV + "DISABLE_TRACEPOINTS",
         multiple=True,
-    ),
-    Opt("gpu", bool, True, "Join NVML GPU samples to spans when NVML is present.", ENV + "GPU"),
-    Opt(
-        "gpu_sample_hz", click.FloatRange(0.1, 50), 4.0, "GPU sampling rate.", ENV + "GPU_SAMPLE_HZ"
-    ),
-    Opt(
-        "queue_size",
-        click.IntRange(64, 10_000_000),
+    )
+    gpu: bool = option(
+        True, bool, "Join NVML GPU samples to spans when NVML is present.", ENV + "GPU"
+    )
+    gpu_sample_hz: float = option(
+        4.0, click.FloatRange(0.1, 50), "GPU sampling rate.", ENV + "GPU_SAMPLE_HZ"
+    )
+    queue_size: int = option(
         20_000,
+        click.IntRange(64, 10_000_000),
         "Spans held for export per destination; beyond it spans are dropped and counted.",
         ENV + "QUEUE_SIZE",
-    ),
-    Opt(
-        "duration",
-        click.FloatRange(0.1, None),
+    )
+    duration: float | None = option(
         None,
+        click.FloatRange(0.1, None),
         "Seconds to capture (default: until Ctrl-C).",
         ENV + "DURATION",
         commands=("capture",),
-    ),
-    Opt(
-        "output_dir",
-        click.Path(file_okay=False, path_type=Path),
+    )
+    output_dir: Path = option(
         Path("tracejoin-capture"),
+        click.Path(file_okay=False, path_type=Path),
         "Directory for the capture's files.",
         ENV + "OUTPUT_DIR",
         commands=("capture",),
-    ),
-    Opt(
-        "metrics_port",
-        click.IntRange(0, 65535),
+    )
+    metrics_port: int = option(
         9464,
+        click.IntRange(0, 65535),
         "Port for /healthz, /readyz and /metrics (0: off).",
         ENV + "METRICS_PORT",
         commands=("run",),
-    ),
-    Opt(
-        "metrics_address",
+    )
+    metrics_address: str = option(
+        "127.0.0.1",
         str,
-        "0.0.0.0",
-        "Address the metrics server binds.",
+        "Address(es) the metrics server binds, comma-separated (the DaemonSet: pod IP, loopback).",
         ENV + "METRICS_ADDRESS",
         commands=("run",),
-    ),
-    Opt(
-        "shutdown_timeout",
-        click.FloatRange(0.5, 60),
+    )
+    shutdown_timeout: float = option(
         5.0,
+        click.FloatRange(0.5, 60),
         "Seconds from SIGTERM to exit: probes detach first, spans flush in what is left; the "
         "process is gone at most 1 s after this, whatever a destination does.",
         ENV + "SHUTDOWN_TIMEOUT",
         commands=("run",),
-    ),
-    Opt(
-        "node_name",
-        str,
+    )
+    node_name: str | None = option(
         None,
+        str,
         "Kubernetes node name for k8s.node.name (the downward API's spec.nodeName).",
         "NODE_NAME",
         commands=("run",),
-    ),
-    Opt(
-        "kubelet_url",
-        HttpUrl(),
+    )
+    kubelet_url: str | None = option(
         None,
+        HttpUrl(),
         "Read pod names, namespaces, container names and workloads from this kubelet pod "
         "list, e.g. https://${NODE_NAME}:10250/pods ($NODE_NAME is the node name). "
         "Unset: only what the cgroup path gives (container.id, k8s.pod.uid).",
         ENV + "KUBELET_URL",
         commands=("run",),
-    ),
-    Opt(
-        "kubelet_token_file",
-        click.Path(dir_okay=False, path_type=Path),
+    )
+    kubelet_token_file: Path | None = option(
         Path("/var/run/secrets/kubernetes.io/serviceaccount/token"),
+        click.Path(dir_okay=False, path_type=Path),
         "Bearer token for the kubelet (read at each request; sent over https only).",
         ENV + "KUBELET_TOKEN_FILE",
         commands=("run",),
-    ),
-    Opt(
-        "kubelet_ca_file",
-        click.Path(exists=True, dir_okay=False, path_type=Path),
+    )
+    kubelet_ca_file: Path | None = option(
         None,
+        click.Path(exists=True, dir_okay=False, path_type=Path),
         "CA bundle that signed the kubelet's serving certificate (default: the service "
         "account's ca.crt when present, else the system CAs).",
         ENV + "KUBELET_CA_FILE",
         commands=("run",),
-    ),
-    Opt(
-        "kubelet_insecure_tls",
-        bool,
+    )
+    kubelet_insecure_tls: bool = option(
         False,
+        bool,
         "Do not verify the kubelet's serving certificate (for self-signed kubelet certs).",
         ENV + "KUBELET_INSECURE_TLS",
         commands=("run",),
-    ),
+    )
+
+    @classmethod
+    def from_click(
+        cls,
+        ctx: click.Context,
+        params: Mapping[str, Any],
+        environ: Mapping[str, str] = os.environ,
+    ) -> Settings:
+        """The settings a command was invoked with. Click has already applied flags >
+        environment > config file > defaults; what remains is `file_yields_to`: a value that
+        came from the config file is dropped when the variable that outranks it is set."""
+        values = {k: v for k, v in params.items() if k in BY_KEY}
+        for key in values:
+            opt = BY_KEY[key]
+            if (
+                opt.file_yields_to
+                and ctx.get_parameter_source(key) is ParameterSource.DEFAULT_MAP
+                and environ.get(opt.file_yields_to, "").strip()
+            ):
+                values[key] = opt.default
+        return cls(**values)
+
+
+OPTIONS: tuple[Opt, ...] = tuple(
+    Opt(key=f.name, default=f.default, **f.metadata["option"]) for f in fields(Settings)
 )
 BY_KEY = {o.key: o for o in OPTIONS}
 
@@ -314,34 +361,25 @@ def apply_options(command: str) -> Callable[[Callable[..., Any]], Callable[..., 
     return deco
 
 
-@dataclass(frozen=True)
-class Settings:
-    pid: tuple[int, ...] = ()
-    port: tuple[int, ...] = ()
-    comm: str | None = None
-    service_name: str | None = None
-    otlp_endpoint: str | None = None
-    otlp_protocol: str | None = None
-    no_parent: str = "root"
-    unsampled: str = "follow"
-    runq_threshold_ms: float = 1.0
-    tlb: str = "auto"
-    disable_tracepoint: tuple[str, ...] = ()
-    gpu: bool = True
-    gpu_sample_hz: float = 4.0
-    queue_size: int = 20_000
-    duration: float | None = None
-    output_dir: Path = Path("tracejoin-capture")
-    metrics_port: int = 9464
-    metrics_address: str = "0.0.0.0"
-    shutdown_timeout: float = 5.0
-    node_name: str | None = None
-    kubelet_url: str | None = None
-    kubelet_token_file: Path | None = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
-    kubelet_ca_file: Path | None = None
-    kubelet_insecure_tls: bool = False
+def config_file_option(command: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """--config / TRACEJOIN_CONFIG: a YAML file of `command`'s settings. It is read first
+    (is_eager) into click's default_map, which click ranks below flags and the environment and
+    above the defaults."""
 
-    @classmethod
-    def from_params(cls, params: dict[str, Any]) -> Settings:
-        known = {k: v for k, v in params.items() if k in BY_KEY}
-        return cls(**known)
+    def load(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+        if value:
+            ctx.default_map = load_file(Path(value), command)
+        return value
+
+    return click.option(
+        "--config",
+        "config_file",
+        cls=SourcedOption,
+        type=click.Path(exists=True, dir_okay=False),
+        callback=load,
+        is_eager=True,
+        expose_value=False,
+        envvar=ENV + "CONFIG",
+        help="YAML file of settings (keys as the flags, with underscores). "
+        f"Flags > environment > file > defaults. [env: {ENV}CONFIG]",
+    )

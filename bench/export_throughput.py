@@ -9,6 +9,9 @@ server span with kernel enrichment, 2 events) and end with serialized OTLP proto
   sdk         Tracer.start_span(explicit remote parent, attributes) + 2 add_event + end ->
               BatchSpanProcessor -> encode_spans (the SDK's OTLP encoder) -> SerializeToString,
               in an exporter that encodes but does not send
+  sdk_encoder model.Span -> ReadableSpan (built directly, no tracer or processor) ->
+              encode_spans -> SerializePartialToString: what OTLPSpanExporter.export() does with
+              a batch, i.e. the cost of using the OTLP package's own encoder from model.Span
 
 Rates are spans per CPU-second (time.process_time, all threads of this process: the SDK's
 batch worker included), best of `repeat` rounds. Compare the ratio, not the absolute numbers.
@@ -32,8 +35,10 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource as SdkResource
+from opentelemetry.sdk.trace import Event as SdkEvent
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
 from tracejoin.core.model import (
@@ -177,6 +182,41 @@ def tracejoin_build_and_encode(requests: Sequence[Request], resource: Resource) 
     return total
 
 
+_SDK_KIND = {KIND_SERVER: SpanKind.SERVER}
+_SCOPE = InstrumentationScope("tracejoin", "0")
+
+
+def sdk_encoder(spans: Sequence[Span]) -> int:
+    """model.Span -> ReadableSpan -> the package's encode_spans, batch by batch."""
+    total = 0
+    resources: dict[Resource, SdkResource] = {}
+    for i in range(0, len(spans), BATCH):
+        readable = []
+        for s in spans[i : i + BATCH]:
+            res = resources.get(s.resource)
+            if res is None:
+                res = resources[s.resource] = SdkResource(dict(s.resource.attributes))
+            flags = TraceFlags(s.trace_flags & 0xFF)
+            readable.append(
+                ReadableSpan(
+                    s.name,
+                    context=SpanContext(s.trace_id, s.span_id, False, flags),
+                    parent=SpanContext(s.trace_id, s.parent_span_id, True, flags)
+                    if s.parent_span_id else None,
+                    resource=res,
+                    attributes=s.attributes,
+                    events=[SdkEvent(e.name, e.attributes, e.time_ns) for e in s.events],
+                    kind=_SDK_KIND.get(s.kind, SpanKind.INTERNAL),
+                    status=Status(StatusCode(s.status_code), s.status_message or None),
+                    start_time=s.start_ns,
+                    end_time=s.end_ns,
+                    instrumentation_scope=_SCOPE,
+                )
+            )  # fmt: skip
+        total += len(encode_spans(readable).SerializePartialToString())
+    return total
+
+
 class _EncodeOnlyExporter(SpanExporter):
     """The SDK's OTLP protobuf encoding, without the network."""
 
@@ -245,6 +285,7 @@ def run(n_spans: int = 10_000, repeat: int = 3) -> dict[str, Any]:
             lambda: tracejoin_build_and_encode(requests, resource)
         ),
         "sdk": lambda: sdk_path(requests),
+        "sdk_encoder": lambda: lambda: sdk_encoder(spans),
     }
     best: dict[str, tuple[float, float, int]] = {}
     for _ in range(repeat):
@@ -275,6 +316,7 @@ def run(n_spans: int = 10_000, repeat: int = 3) -> dict[str, Any]:
             for name, (cpu, wall, size) in best.items()
         },
         "ratio": round(rates["tracejoin_encode"] / sdk, 2),
+        "ratio_vs_sdk_encoder": round(rates["tracejoin_encode"] / rates["sdk_encoder"], 2),
     }
 
 
@@ -293,6 +335,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"{p['bytes_per_span']:>8.0f} {p['ratio_vs_sdk']:>7.2f}"
         )
     lines.append(f"ratio (tracejoin_encode / sdk): {result['ratio']:.2f}x")
+    lines.append(f"ratio (tracejoin_encode / sdk_encoder): {result['ratio_vs_sdk_encoder']:.2f}x")
     return "\n".join(lines)
 
 

@@ -14,22 +14,11 @@ The kubelet is never on this path (a background thread), so it is not measured h
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
 
 from tracejoin.core.metrics import Metrics
 from tracejoin.enrich.resources import ResourceResolver, read_process_facts
 
-
-def _best_us(fn: Callable[[], object], n: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.process_time()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.process_time() - t0) / n)
-    return best * 1e6
+from bench.stages import _best_us
 
 
 def _raw_stat(pid: int) -> bytes:

@@ -4,10 +4,11 @@
 
 One realistic record (GET with a valid sampled traceparent, tuple known, receive-queue wait,
 TLB flush fallback: what the Go server produces) goes through each stage of `tracejoin run` in a
-tight loop: decode, traceparent validation, span building, metrics, and the encoders (OTLP-JSON
-for the file destination `tracejoin run` writes in bench/run.py, OTLP protobuf for the OTLP
-destinations). CPU µs per record, best of 3. What the live agent spends beyond their sum is
-the ring-buffer callback path (BCC's ctypes callback, string_at), the queues and the threads.
+tight loop: decode, enrichment (traceparent validation inside), span building, metrics, and the
+encoders (OTLP-JSON for the file destination `tracejoin run` writes in bench/run.py, OTLP
+protobuf for the OTLP destinations). CPU µs per record, best of 3. What the live agent spends
+beyond their sum is the ring-buffer callback path (BCC's ctypes callback, string_at), the queues
+and the threads.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 from tracejoin.core.metrics import Metrics
+from tracejoin.core.model import Resource
 from tracejoin.enrich import traceparent
+from tracejoin.enrich.enricher import Enricher
 from tracejoin.exporters.otlp_json import encode_request_json
 from tracejoin.exporters.otlp_proto import encode_request_bytes
 from tracejoin.kernel.decode import (
@@ -30,7 +33,7 @@ from tracejoin.kernel.decode import (
     HttpRecord,
     RecordDecoder,
 )
-from tracejoin.pipeline.spans import SpanBuilder
+from tracejoin.pipeline.spans import SpanOptions, build_spans
 
 TP = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 BATCH = 512  # records per encoded request (the queue's default batch)
@@ -71,16 +74,23 @@ def run(n: int = 20_000) -> dict[str, Any]:
     decoder = RecordDecoder(metrics)
     rec = decoder.decode(raw)
     assert isinstance(rec, HttpRecord)
-    builder = SpanBuilder(metrics, tlb_mode="flush_fallback")
-    spans = builder.build(rec)
+    resource = Resource((("service.name", "bench"),))
+    enricher = Enricher(metrics, lambda _pid: resource)
+    opts = SpanOptions(
+        frozenset({"recvq", "tcp_stats", "sched", "page_faults", "tlb_flush"}), "flush_fallback"
+    )
+    e = enricher.enrich(rec)
+    assert e is not None
+    spans = build_spans(e, opts, enricher.new_id)
     per_batch = spans * BATCH
     reps = max(3, n // 1000)
     stages = {
         "decode (bytes -> HttpRecord)": _best_us(lambda: decoder.decode(raw), n),
-        "traceparent.parse (inside build)": _best_us(
+        "traceparent.parse (inside enrich)": _best_us(
             lambda: traceparent.parse(TP, total_len=len(TP)), n
         ),
-        "SpanBuilder.build": _best_us(lambda: builder.build(rec), n),
+        "Enricher.enrich": _best_us(lambda: enricher.enrich(rec), n),
+        "build_spans": _best_us(lambda: build_spans(e, opts, enricher.new_id), n),
         "Metrics.inc x2 (records_received, spans_built)": 2
         * _best_us(lambda: metrics.inc("spans_built", 2), n),
         "OTLP-JSON encode (file destination)": _best_us(

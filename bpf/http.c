@@ -7,8 +7,8 @@
  *   http_record.h    the C <-> Python contract (record layout, flags, counters, prog indices)
  *   http_workset.h   the work set: the threads that worked for a request (sched_waking)
  *   http_enrich.h    per-thread / per-connection enrichment: sched, faults, TLB, TCP
+ *   http_scan.h      what both scanners share: the scan window, header/body framing
  *   http_conn.h      connection lifecycle: syscall buffers, TCP states, socket data, flush
- *   http_scan.h      helpers shared by the two scanners
  *   http_request.h   request scanner (tail call)
  *   http_response.h  response scanner (tail call); emits the record
  * `tracejoin ebpf` prints the unit as compiled: includes inlined, defines applied.
@@ -65,50 +65,87 @@
 #define TCP_CLOSE_ 7
 #define TCP_LAST_ACK_ 9
 
-#define SCRATCH_SIZE 4096       /* bytes of one read/write copied for scanning (power of two) */
-#define SCAN_CHUNK 256          /* bytes scanned per program before tail-calling the next */
-#define CL_MAX (1ULL << 40)
-#define PREFIX_MAX 16           /* carried request-line bytes: a method, a space, a '/' */
+#define SCRATCH_SIZE 4096       /* bytes of a read/write copied per window (power of two) */
+#define SCAN_CHUNK 256          /* scanner steps per program before tail-calling the next */
+#define CHAIN_MAX 30            /* tail calls one read/write may use (the kernel allows 33) */
+#define IOV_WALK 16             /* iovecs looked at per window load */
+#define CL_MAX (1ULL << 40)     /* a larger Content-Length or chunk size is invalid */
+#define HDR_LIMIT 32768         /* request line + header bytes scanned before giving up */
+#define NAME_BUF 24             /* header-name bytes kept (the longest we match is 17) */
+#define OUTSTANDING_MAX 64      /* requests open on one connection, tracked or not (bit maps) */
 
 /* conn.flags */
 #define CONN_IGNORED 0x01       /* filtered out, a client-side socket, or not HTTP */
 #define CONN_TUPLE 0x02
 #define CONN_SEEN_REQ 0x04
+#define CONN_UNTRUSTED 0x08     /* framing disagreement: no request is opened any more */
+#define CONN_RESP_LOST 0x10     /* response framing lost: writes are no longer scanned */
 
-/* request parser states */
-enum { RQ_NONE, RQ_PATH, RQ_LINE_REST, RQ_LINE_START, RQ_SKIP_LINE, RQ_CR, RQ_TP_OWS, RQ_TP_VALUE,
-       RQ_CL_VALUE, RQ_BODY, RQ_UNFRAMED, RQ_OVERFLOW };
-/* response parser states */
-enum { RS_STATUS, RS_LINE_REST, RS_LINE_START, RS_SKIP_LINE, RS_CR, RS_CL_VALUE, RS_BODY,
-       RS_CHUNKED, RS_OPAQUE };
+/* Parser states, shared by both directions (struct hparse.state). */
+enum {
+    /* start line */
+    P_IDLE,         /* request: between requests (the next byte starts a method) */
+    P_METHOD,       /* request: method token */
+    P_TARGET,       /* request: first byte of the request-target */
+    P_ABS_SCHEME,   /* request: absolute-form scheme, up to ':' */
+    P_ABS_SLASH,    /* request: the "//" after it */
+    P_ABS_AUTH,     /* request: authority (userinfo, host, port): skipped, never copied */
+    P_PATH,         /* request: path bytes, copied */
+    P_PARAM,        /* request: a ";param" path segment parameter, skipped */
+    P_STATUS,       /* response: "HTTP/1.x NNN" */
+    P_LINE_REST,    /* the rest of the start line */
+    /* header section */
+    P_LINE_START, P_NAME, P_CR, P_SKIP_LINE, P_TP_OWS, P_TP_VALUE, P_CL_VALUE, P_TE_VALUE,
+    /* body */
+    P_BODY, P_CHUNK_SIZE, P_CHUNK_EXT, P_CHUNK_END, P_CHUNK_DATA, P_TRAILER, P_TRAILER_SKIP,
+    P_OPAQUE,       /* response: close-delimited, or framing lost: ends with the connection */
+    P_DEAD,         /* request: the connection is no longer trusted */
+};
+
+/* hparse.fr: framing headers seen in the message being parsed */
+#define FR_CL 0x01              /* a valid Content-Length */
+#define FR_CL_BAD 0x02          /* malformed, duplicate or folded Content-Length */
+#define FR_TE 0x04              /* Transfer-Encoding present */
+#define FR_TE_CHUNKED 0x08      /* ... and its final coding is chunked */
+#define FR_TE_BAD 0x10          /* ... folded or unparseable */
+/* hparse.hdr: the header whose line is being read */
+enum { H_OTHER, H_TP, H_CL, H_TE };
+
+/* One direction's message parser (struct conn holds one for requests, one for responses). */
+struct hparse {
+    u64 len;                    /* Content-Length, then body or chunk bytes still to skip */
+    u8 state;                   /* P_* */
+    u8 fr;                      /* FR_* */
+    u8 hdr;                     /* H_* */
+    u8 sub;                     /* position inside the token being read */
+    u8 nlen;                    /* header-name bytes kept in name[] */
+    u8 _pad[3];
+    u8 name[NAME_BUF];          /* lowercased header name; the raw method, for requests */
+};
 
 struct conn {
     u64 conn_id;
     u64 est_ns;
-    u64 arrival_ns;
+    u64 arrival_ns;             /* first arrival since the last read (sk_data_ready) */
+    u64 rq_start_ns;            /* read that brought the first byte of the request line */
+    u64 rq_arrival_ns;          /* ... and that byte's arrival */
     u64 head;                   /* oldest request still waiting for its response to end */
     u64 tail;                   /* next request number */
     u64 last_write_ns;
-    u64 rq_cl;                  /* request Content-Length being parsed */
-    u64 rq_body;                /* request body bytes still to skip */
-    u64 rs_cl;
-    u64 rs_body;
+    u64 head_bits;              /* bit (seq & 63): the request is HEAD (its response has no body) */
+    u64 connect_bits;           /* ... CONNECT (a 2xx turns the connection into a tunnel) */
+    u64 ghost_bits;             /* ... not tracked (pipeline slots full): framed, not emitted */
+    struct hparse rq, rs;
     u32 retrans;
     u32 srtt_us;
     u32 unacked_max;            /* most bytes in flight unacknowledged since the response began */
-    u32 rq_scanned;             /* header bytes scanned for the request being parsed */
+    u32 rq_scanned;             /* request line + header bytes of the request being parsed */
     u16 rq_tpraw;               /* traceparent value bytes seen, OWS included */
     u16 rs_status;
     u16 lport, rport;
     u8 laddr[16], raddr[16];
     u8 family;
-    u8 flags;
-    u8 rq_state;
-    u8 rs_state;
-    u8 rs_chunked;
-    u8 rs_tail[5];              /* last bytes written while chunked: the terminator check */
-    u8 rq_plen;                 /* bytes of a request line carried over from earlier reads */
-    u8 rq_prefix[PREFIX_MAX];   /* (Go's net/http reads one byte ahead, for one) */
+    u8 flags;                   /* CONN_* */
 };
 
 struct req_key {
@@ -116,22 +153,53 @@ struct req_key {
     u64 seq;
 };
 
+/* What a syscall moves, remembered at its entry for the socket tracepoint inside it. */
+#define IO_NONE 0               /* no user buffer (sendfile): bytes counted, not scanned */
+#define IO_BUF 1                /* one buffer */
+#define IO_IOV 2                /* an iovec array (readv, writev, recvmsg, sendmsg) */
 struct pending_io {
-    u64 buf;                    /* user buffer (first iovec for the vectored calls) */
-    u64 len;                    /* its length */
+    u64 ptr;                    /* IO_BUF: the buffer; IO_IOV: the iovec array */
+    u64 len;                    /* IO_BUF: its length; IO_IOV: the number of iovecs */
     u32 fd;
-    u32 has_buf;
+    u32 kind;                   /* IO_* */
+};
+
+/* One read or write being scanned: a window of SCRATCH_SIZE bytes of it at a time. */
+/* A request's opening or ending that a scanner leaves for the syscall's exit (forget() in
+ * http_conn.h, bpf/http_workset.h): the scanners are near the verifier's limit, so they only
+ * note it, in a few stores and no branch. */
+#define WS_NOTES 4
+#define WS_NOTE_OPEN 1
+#define WS_NOTE_CLOSE 2
+struct ws_note {
+    u64 sk;
+    u64 seq;
+    u64 conn_id;
+    u64 end_ns;
+    u32 tid;                    /* the thread whose syscall exit runs it */
+    u32 kind;                   /* WS_NOTE_*; 0: empty */
 };
 
 struct scratch {
-    u8 buf[SCRATCH_SIZE];
+    u8 buf[2 * SCRATCH_SIZE];   /* bytes [base, base + n) of the data; n <= SCRATCH_SIZE */
     u64 sk;
     u64 now;
-    u32 n;                      /* bytes copied into buf */
+    u64 arrival;                /* first arrival of this read's data (requests); 0 unknown */
+    u64 ptr, len;               /* pending_io.ptr/len */
+    u64 iov_start;              /* data offset of iovec iov_idx's first byte */
+    u32 iov_idx;
+    u32 kind;                   /* IO_* */
+    u32 base;
+    u32 n;
     u32 total;                  /* bytes the syscall moved */
     u32 off;                    /* next byte to scan */
     u32 fd;
     u32 chain;                  /* tail calls used so far */
+    u32 walk_more;              /* the iovec walk stopped short: load again to go on */
+    u32 _pad;
+    struct ws_note notes[WS_NOTES];
+    u32 nnotes;                 /* notes written so far (the last WS_NOTES are kept) */
+    u32 _pad2;
 };
 
 /* An open request's work set, as a thread refers to it: the request's key in `worksets`
@@ -139,7 +207,8 @@ struct scratch {
 struct ws_ref {
     u64 conn_id;
     u64 seq;
-    u32 idx;                    /* 0: this thread read the request */
+    u32 idx;                    /* 0: this thread read the request; | REF_REPLIED: it left by
+                                 * waking the reader, and rejoins if it hands the work on */
     u32 _pad;
 };
 
@@ -152,13 +221,13 @@ struct tstat {
     u64 runq_max;
     u64 queued_ts, wake_ts, sleep_ts;
     u64 oncpu_ts;               /* switched in at; 0 while off CPU */
-    u64 hw_d_in, hw_i_in;       /* counter values at switch-in (TLB_HW) */
+    u64 hw_d_in, hw_i_in;       /* counter values when the thread last went on CPU (TLB_HW) */
     u32 ring_idx;
     u32 nopen;                  /* open requests whose work set holds this thread */
     u32 asleep;                 /* switched out blocked, not woken since */
     u32 tgid;                   /* its process, as last seen running; 0 before */
     u32 reading;                /* open requests this thread read (it is their member 0) */
-    u32 _pad;
+    u32 nreplied;               /* refs[] it keeps to sets it replied to (REF_REPLIED) */
     struct ws_ref refs[WS_REFS];
     struct runq_wait ring[RUNQ_SLOTS];
 };
@@ -193,6 +262,16 @@ static __always_inline void count(u32 idx)
         (*v)++;
 }
 
+/* Stop trusting the connection's framing: count why (once per connection) and never open
+ * another request on it. Requests already open still take their responses. */
+static __always_inline void untrust(struct conn *c, u32 reason)
+{
+    if (!(c->flags & CONN_UNTRUSTED))
+        count(reason);
+    c->flags |= CONN_UNTRUSTED;
+    c->rq.state = P_DEAD;
+}
+
 static __always_inline int comm_allowed(void)
 {
 #ifdef FILTER_COMM
@@ -224,7 +303,7 @@ static __always_inline int task_allowed(u32 pid)
 
 #include "http_workset.h"
 #include "http_enrich.h"
-#include "http_conn.h"
 #include "http_scan.h"
+#include "http_conn.h"
 #include "http_request.h"
 #include "http_response.h"

@@ -8,12 +8,12 @@
 #define DIR_RD 0
 #define DIR_WR 1
 
-static __always_inline int remember(int dir, u32 fd, u64 buf, u64 len, u32 has_buf)
+static __always_inline int remember(int dir, u32 fd, u64 ptr, u64 len, u32 kind)
 {
     u64 id = bpf_get_current_pid_tgid();
     if (!task_allowed(id >> 32))
         return 0;
-    struct pending_io p = {.buf = buf, .len = len, .fd = fd, .has_buf = has_buf};
+    struct pending_io p = {.ptr = ptr, .len = len, .fd = fd, .kind = kind};
     if (dir == DIR_WR)
         pending_wr.update(&id, &p);
     else
@@ -21,54 +21,48 @@ static __always_inline int remember(int dir, u32 fd, u64 buf, u64 len, u32 has_b
     return 0;
 }
 
-/* The first iovec of readv/writev/recvmsg/sendmsg: headers almost always sit in it. */
-static __always_inline int remember_iov(int dir, u32 fd, const struct iovec *iov)
-{
-    struct iovec first = {};
-    if (bpf_probe_read_user(&first, sizeof(first), iov) != 0)
-        return remember(dir, fd, 0, 0, 0);
-    return remember(dir, fd, (u64)first.iov_base, first.iov_len, 1);
-}
-
+/* recvmsg/sendmsg: the iovec array the message header points to. */
 static __always_inline int remember_msg(int dir, u32 fd, const struct user_msghdr *msg)
 {
     struct user_msghdr m = {};
     if (bpf_probe_read_user(&m, sizeof(m), msg) != 0)
-        return remember(dir, fd, 0, 0, 0);
-    return remember_iov(dir, fd, m.msg_iov);
+        return remember(dir, fd, 0, 0, IO_NONE);
+    return remember(dir, fd, (u64)m.msg_iov, m.msg_iovlen, IO_IOV);
 }
 
-TRACEPOINT_PROBE(syscalls, sys_enter_read) { return remember(DIR_RD, args->fd, (u64)args->buf, args->count, 1); }
-TRACEPOINT_PROBE(syscalls, sys_enter_recvfrom) { return remember(DIR_RD, args->fd, (u64)args->ubuf, args->size, 1); }
-TRACEPOINT_PROBE(syscalls, sys_enter_readv) { return remember_iov(DIR_RD, args->fd, args->vec); }
+TRACEPOINT_PROBE(syscalls, sys_enter_read) { return remember(DIR_RD, args->fd, (u64)args->buf, args->count, IO_BUF); }
+TRACEPOINT_PROBE(syscalls, sys_enter_recvfrom) { return remember(DIR_RD, args->fd, (u64)args->ubuf, args->size, IO_BUF); }
+TRACEPOINT_PROBE(syscalls, sys_enter_readv) { return remember(DIR_RD, args->fd, (u64)args->vec, args->vlen, IO_IOV); }
 TRACEPOINT_PROBE(syscalls, sys_enter_recvmsg) { return remember_msg(DIR_RD, args->fd, args->msg); }
-TRACEPOINT_PROBE(syscalls, sys_enter_write) { return remember(DIR_WR, args->fd, (u64)args->buf, args->count, 1); }
-TRACEPOINT_PROBE(syscalls, sys_enter_sendto) { return remember(DIR_WR, args->fd, (u64)args->buff, args->len, 1); }
-TRACEPOINT_PROBE(syscalls, sys_enter_writev) { return remember_iov(DIR_WR, args->fd, args->vec); }
+TRACEPOINT_PROBE(syscalls, sys_enter_write) { return remember(DIR_WR, args->fd, (u64)args->buf, args->count, IO_BUF); }
+TRACEPOINT_PROBE(syscalls, sys_enter_sendto) { return remember(DIR_WR, args->fd, (u64)args->buff, args->len, IO_BUF); }
+TRACEPOINT_PROBE(syscalls, sys_enter_writev) { return remember(DIR_WR, args->fd, (u64)args->vec, args->vlen, IO_IOV); }
 TRACEPOINT_PROBE(syscalls, sys_enter_sendmsg) { return remember_msg(DIR_WR, args->fd, args->msg); }
 /* sendfile: the body never passes through user memory; its bytes are counted, not scanned. */
-TRACEPOINT_PROBE(syscalls, sys_enter_sendfile64) { return remember(DIR_WR, args->out_fd, 0, 0, 0); }
+TRACEPOINT_PROBE(syscalls, sys_enter_sendfile64) { return remember(DIR_WR, args->out_fd, 0, 0, IO_NONE); }
 
 /* An entry must not outlive its syscall: a later socket event in this thread (io_uring, say)
  * would otherwise read a stale buffer. */
-static __always_inline int forget(int dir)
+static __always_inline int forget(void *ctx, int dir)
 {
     u64 id = bpf_get_current_pid_tgid();
     if (dir == DIR_WR)
         pending_wr.delete(&id);
     else
         pending_rd.delete(&id);
+    if (notes_waiting())        /* requests this syscall opened or ended (http_enrich.h) */
+        progs.call(ctx, PROG_RUN_NOTES);
     return 0;
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_read) { return forget(DIR_RD); }
-TRACEPOINT_PROBE(syscalls, sys_exit_recvfrom) { return forget(DIR_RD); }
-TRACEPOINT_PROBE(syscalls, sys_exit_readv) { return forget(DIR_RD); }
-TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) { return forget(DIR_RD); }
-TRACEPOINT_PROBE(syscalls, sys_exit_write) { return forget(DIR_WR); }
-TRACEPOINT_PROBE(syscalls, sys_exit_sendto) { return forget(DIR_WR); }
-TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return forget(DIR_WR); }
-TRACEPOINT_PROBE(syscalls, sys_exit_sendmsg) { return forget(DIR_WR); }
-TRACEPOINT_PROBE(syscalls, sys_exit_sendfile64) { return forget(DIR_WR); }
+TRACEPOINT_PROBE(syscalls, sys_exit_read) { return forget(args, DIR_RD); }
+TRACEPOINT_PROBE(syscalls, sys_exit_recvfrom) { return forget(args, DIR_RD); }
+TRACEPOINT_PROBE(syscalls, sys_exit_readv) { return forget(args, DIR_RD); }
+TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) { return forget(args, DIR_RD); }
+TRACEPOINT_PROBE(syscalls, sys_exit_write) { return forget(args, DIR_WR); }
+TRACEPOINT_PROBE(syscalls, sys_exit_sendto) { return forget(args, DIR_WR); }
+TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return forget(args, DIR_WR); }
+TRACEPOINT_PROBE(syscalls, sys_exit_sendmsg) { return forget(args, DIR_WR); }
+TRACEPOINT_PROBE(syscalls, sys_exit_sendfile64) { return forget(args, DIR_WR); }
 
 /* ---------------------------------------------------------------- connections */
 
@@ -93,31 +87,33 @@ static __always_inline void emit(struct http_record *rec)
 static __always_inline void flush_conn(u64 sk, struct conn *c, u64 now)
 {
     struct req_key key = {.sk = sk};
-    /* a real (bounded) loop, not unrolled: finish_request is large with the work set */
 #pragma clang loop unroll(disable)
-    for (int i = 0; i < MAX_PENDING; i++) {
+    for (int i = 0; i < OUTSTANDING_MAX; i++) {
         if (c->head >= c->tail)
             break;
-        key.seq = c->head;
+        u64 seq = c->head;
+        c->head = seq + 1;
+        if (c->ghost_bits & (1ULL << (seq & 63)))
+            continue;               /* untracked: already counted (pipeline_slots_full, lost) */
+        key.seq = seq;
         struct http_record *rec = reqs.lookup(&key);
-        if (rec) {
-            if (rec->resp_start_ns) {
-                rec->flags |= REQF_RESP_UNTERM;
-                finish_request(rec, c, c->last_write_ns);
-            } else {
-                rec->flags |= REQF_NO_RESPONSE;
-                finish_request(rec, c, now);
-            }
-            rec->status = c->rs_status;
-            emit(rec);
-            reqs.delete(&key);
-        } else {
+        if (!rec) {
             count(CNT_REQUEST_STATE_LOST);
+            continue;
         }
-        c->head++;
-        c->rs_state = RS_STATUS;
-        c->rs_status = 0;
+        if (rec->resp_start_ns) {
+            rec->flags |= REQF_RESP_UNTERM;
+            finish_request(rec, c, c->last_write_ns);
+        } else {
+            rec->flags |= REQF_NO_RESPONSE;
+            finish_request(rec, c, now);
+        }
+        rec->status = c->rs_status;
+        c->rs_status = 0;           /* a status belongs to the oldest open request only */
+        emit(rec);
+        reqs.delete(&key);
     }
+    reset_parser(&c->rs, P_STATUS);
 }
 
 TRACEPOINT_PROBE(sock, inet_sock_set_state)
@@ -129,6 +125,7 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
     if (args->newstate == TCP_ESTABLISHED_) {
         struct conn c = {};
         c.conn_id = new_conn_id();
+        c.rs.state = P_STATUS;
         c.family = args->family;
         c.lport = args->sport;
         c.rport = args->dport;
@@ -171,6 +168,8 @@ TRACEPOINT_PROBE(tcp, tcp_destroy_sock)
     if (!c)
         return 0;
     flush_conn(sk, c, bpf_ktime_get_ns());
+    struct req_key ghost = {.sk = sk, .seq = GHOST_SEQ};
+    reqs.delete(&ghost);
     conns.delete(&sk);
     return 0;
 }
@@ -192,6 +191,7 @@ TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
             return 0;
         struct conn fresh = {};
         fresh.conn_id = new_conn_id();
+        fresh.rs.state = P_STATUS;
         conns.update(&sk, &fresh);
         c = conns.lookup(&sk);
         if (!c)
@@ -227,25 +227,18 @@ static __always_inline struct scratch *load_scratch(u64 sk, struct pending_io *p
         return 0;
     s->sk = sk;
     s->now = bpf_ktime_get_ns();
+    s->ptr = p->ptr;
+    s->len = p->len;
+    s->kind = p->kind;
+    s->iov_idx = 0;
+    s->iov_start = 0;
     s->total = ret;
     s->off = 0;
     s->fd = p->fd;
     s->chain = 0;
-    s->n = 0;
-    if (p->has_buf) {
-        u64 n = ret;
-        if (n > p->len)
-            n = p->len;
-        if (n > SCRATCH_SIZE)
-            n = SCRATCH_SIZE;
-        u32 sz = n;
-        if (sz > SCRATCH_SIZE)
-            sz = SCRATCH_SIZE;
-        if (sz > 0 && bpf_probe_read_user(s->buf, sz, (void *)p->buf) == 0)
-            s->n = sz;
-        else if (sz > 0)
-            count(CNT_READ_COPY_FAILED);
-    }
+    s->base = 0;
+    s->n = 0;                       /* windows are copied when a scanner needs bytes */
+    s->walk_more = 0;
     return s;
 }
 
@@ -269,6 +262,7 @@ TRACEPOINT_PROBE(sock, sock_recv_length)
          * user space resolves the tuple from the fd. */
         struct conn fresh = {};
         fresh.conn_id = new_conn_id();
+        fresh.rs.state = P_STATUS;
 #if defined(FILTER_PORT) && !defined(WITH_TUPLE_AT_READ)
         /* Its port is unknown here (no tcp_rcv_space_adjust), so the port filter cannot
          * admit it: a filter must never let another port through (docs/probes.md). */
@@ -279,10 +273,14 @@ TRACEPOINT_PROBE(sock, sock_recv_length)
         if (!c)
             return 0;
     }
-    if (c->flags & CONN_IGNORED)
+    if (c->flags & (CONN_IGNORED | CONN_UNTRUSTED))
         return 0;
-    if (!load_scratch(sk, p, args->ret))
+    struct scratch *s = load_scratch(sk, p, args->ret);
+    if (!s)
         return 0;
+    /* this read takes the arrival; data arriving from now on is the next read's */
+    s->arrival = c->arrival_ns <= s->now ? c->arrival_ns : 0;
+    c->arrival_ns = 0;
     pending_rd.delete(&id);
     progs.call(args, PROG_SCAN_REQ);
     return 0;
@@ -294,8 +292,15 @@ TRACEPOINT_PROBE(sock, sock_send_length)
         return 0;
     u64 sk = (u64)args->sk;
     struct conn *c = conns.lookup(&sk);
-    if (!c || (c->flags & CONN_IGNORED) || c->head >= c->tail)
+    if (!c || (c->flags & (CONN_IGNORED | CONN_RESP_LOST)))
         return 0;
+    if (c->head >= c->tail) {
+        /* A response with no request open: the two directions disagree (a request we never
+         * saw, or one response framed as two). Attributing anything further would be a guess. */
+        if ((c->flags & (CONN_SEEN_REQ | CONN_UNTRUSTED)) == CONN_SEEN_REQ)
+            untrust(c, CNT_UNTRUSTED_RESPONSE_WITHOUT_REQUEST);
+        return 0;
+    }
     u64 id = bpf_get_current_pid_tgid();
     struct pending_io *p = pending_wr.lookup(&id);
     struct pending_io none = {};
@@ -305,8 +310,11 @@ TRACEPOINT_PROBE(sock, sock_send_length)
     if (!s)
         return 0;
     c->last_write_ns = s->now;
+#ifdef WITH_WORKSET
+    ws_checkpoint(sk, c, s->now);   /* if this write ends the response, its record says so */
+#endif
     /* sendfile calls sock_sendmsg once per chunk: only the first event may use a buffer */
-    if (p->has_buf)
+    if (p->kind != IO_NONE)
         pending_wr.delete(&id);
     progs.call(args, PROG_SCAN_RESP);
     return 0;

@@ -7,22 +7,53 @@
  * the difference when it ends.
  */
 
+#if defined(TLB_HW) && !defined(WITH_SCHED)
+#error "TLB_HW needs WITH_SCHED: the counters are read at every context switch of the thread"
+#endif
+
 #define TASK_REPORT_MAX_ 0x100  /* prev_state bit for "preempted" (R+); below it, the sleep states */
 
-/* Snapshot per-thread totals into the record as negatives; finish_request adds the totals at
- * the end, leaving the delta without a second copy of the baseline. */
-static __always_inline void start_thread_stats(struct http_record *rec, u32 tid)
+/* The scanners only note a request's opening and ending (a few stores, no branch: they are near
+ * the verifier's limit); the thread's syscall exit does the work (run_notes, from forget() in
+ * http_conn.h), in the same thread a few microseconds later. */
+static __always_inline void note(struct scratch *s, u32 kind, u32 tid, u64 seq, u64 conn_id,
+                                 u64 end_ns)
+{
+    u32 k = s->nnotes & (WS_NOTES - 1);
+    s->notes[k].sk = s->sk;
+    s->notes[k].seq = seq;
+    s->notes[k].conn_id = conn_id;
+    s->notes[k].end_ns = end_ns;
+    s->notes[k].tid = tid;
+    s->notes[k].kind = kind;
+    s->nnotes = s->nnotes + 1;
+}
+
+/* A request was read (scan_req): its thread statistics start at the read's syscall exit. */
+static __always_inline void start_thread_stats(struct scratch *s, struct http_record *rec)
+{
+    note(s, WS_NOTE_OPEN, rec->tid, rec->seq, rec->conn_id, 0);
+}
+
+/* At the read's exit, in the reading thread: snapshot its totals into the record as negatives
+ * (finish_request adds the totals at the end, leaving the delta without a second copy of the
+ * baseline); with the work set, open the request's set instead. */
+static __always_inline void open_request_stats(struct http_record *rec, u32 tid)
 {
     u64 now = bpf_ktime_get_ns();
     struct tstat *t = thread_for(tid, 1, now);
     if (!t)
         return;
     t->runq_max = 0;
+    rec->ws_flags |= WSF_STATS;
 #ifdef WITH_WORKSET
     ws_open(rec, t, now);
 #else
     rec->runq_ns = -t->tot[WSIG_RUNQ];
     rec->offcpu_ns = -t->tot[WSIG_OFFCPU];
+#ifdef TLB_HW
+    flush_tlb_hw(t);                /* misses so far, the running slice included */
+#endif
     rec->tlb_a = -t->tot[WSIG_TLB_A];
     rec->tlb_b = -t->tot[WSIG_TLB_B];
     rec->minflt = -(u32)t->tot[WSIG_MINFLT];
@@ -31,32 +62,53 @@ static __always_inline void start_thread_stats(struct http_record *rec, u32 tid)
 #endif
 }
 
-static __always_inline void finish_request(struct http_record *rec, struct conn *c, u64 end_ns)
+/* The request ended at end_ns. Its record's work-set values are the checkpoint taken at the
+ * start of its last response write (ws_checkpoint): the scanners and the close path are at the
+ * verifier's limit, so the sums are never taken there. `noted`: the set ends at this syscall's
+ * exit (run_notes); otherwise (a close) it is dropped now and its members let go of it at their
+ * next scheduler event (ref_stale). A request that ended without any response write has no
+ * work-set values (no WSF_TRACKED; counted as workset_lost). */
+static __always_inline void finish_request_ws(struct http_record *rec, struct conn *c,
+                                              u64 end_ns, int noted)
 {
     rec->end_ns = end_ns;
     rec->retrans += c->retrans;
     rec->srtt_us = c->srtt_us;
     rec->unacked_max = c->unacked_max;
 #ifdef WITH_WORKSET
-    ws_finish(rec, end_ns);
+    if (!noted) {
+        struct ws_key key = {.conn_id = rec->conn_id, .seq = rec->seq};
+        worksets.delete(&key);
+        if (!(rec->ws_flags & WSF_TRACKED))
+            count(CNT_WORKSET_LOST);
+    }
 #endif
     u32 tid = rec->tid;
     struct tstat *t = threads.lookup(&tid);
-    if (!t) {
 #ifndef WITH_WORKSET
+    if (!t || !(rec->ws_flags & WSF_STATS)) {
+        /* no baseline (the read's exit never ran it): no values, not absolute totals */
         rec->runq_ns = rec->offcpu_ns = rec->tlb_a = rec->tlb_b = 0;
         rec->minflt = rec->majflt = rec->nr_switches = 0;
-#endif
+        rec->ws_flags &= ~WSF_STATS;
         return;
     }
-#ifndef WITH_WORKSET
     rec->runq_ns += t->tot[WSIG_RUNQ];
     rec->offcpu_ns += t->tot[WSIG_OFFCPU];
+#ifdef TLB_HW
+    /* In the reading thread (the usual case: it writes the response), read the counters now;
+     * from another thread, the reading thread's count as of its last switch-out. */
+    if ((u32)bpf_get_current_pid_tgid() == tid)
+        flush_tlb_hw(t);
+#endif
     rec->tlb_a += t->tot[WSIG_TLB_A];
     rec->tlb_b += t->tot[WSIG_TLB_B];
     rec->minflt += (u32)t->tot[WSIG_MINFLT];
     rec->majflt += (u32)t->tot[WSIG_MAJFLT];
     rec->nr_switches += (u32)t->tot[WSIG_SWITCHES];
+#else
+    if (!t)
+        return;
 #endif
     /* the longest waits are the reading thread's (its runq_max was reset at the read) */
     rec->runq_max_ns = t->runq_max;
@@ -75,6 +127,66 @@ static __always_inline void finish_request(struct http_record *rec, struct conn 
 #endif
 }
 
+static __always_inline void finish_request(struct http_record *rec, struct conn *c, u64 end_ns)
+{
+    finish_request_ws(rec, c, end_ns, 0);
+}
+
+/* The response ended in scan_resp: the work-set values are the checkpoint taken when this write
+ * began (ws_checkpoint); the set itself ends at the write's syscall exit. */
+static __always_inline void finish_request_in_scanner(struct scratch *s, struct http_record *rec,
+                                                      struct conn *c)
+{
+    finish_request_ws(rec, c, s->now, 1);
+#ifdef WITH_WORKSET
+    note(s, WS_NOTE_CLOSE, (u32)bpf_get_current_pid_tgid(), rec->seq, rec->conn_id, s->now);
+#endif
+}
+
+/* Whether any note waits on this CPU: the one check every probed syscall exit makes. */
+static __always_inline int notes_waiting(void)
+{
+    int z = 0;
+    struct scratch *s = scratch_map.lookup(&z);
+    return s && s->nnotes;
+}
+
+/* At a syscall's exit: the notes this thread's scanners left (see note()). A note whose thread
+ * migrated before its exit, or that four later ones overwrote, is not run: that request's
+ * record then says its statistics were not taken (no WSF_STATS), and its work set, if any,
+ * ends lazily. */
+static __always_inline void run_notes_for(u32 tid)
+{
+    int z = 0;
+    struct scratch *s = scratch_map.lookup(&z);
+    if (!s || !s->nnotes)
+        return;
+    u32 left = 0;
+#pragma unroll
+    for (int i = 0; i < WS_NOTES; i++) {
+        struct ws_note *n = &s->notes[i];
+        if (!n->kind)
+            continue;
+        if (n->tid != tid) {
+            left++;
+            continue;
+        }
+        if (n->kind == WS_NOTE_OPEN) {
+            struct req_key key = {.sk = n->sk, .seq = n->seq};
+            struct http_record *rec = reqs.lookup(&key);
+            if (rec && rec->conn_id == n->conn_id)
+                open_request_stats(rec, tid);
+        }
+#ifdef WITH_WORKSET
+        else {
+            ws_close(n->conn_id, n->seq, n->end_ns);
+        }
+#endif
+        n->kind = 0;
+    }
+    if (!left)
+        s->nnotes = 0;
+}
 
 /* Bytes of the record to send: the members it does not use are left out (they are most of a
  * record's size, and most requests have no helper). */
@@ -247,3 +359,11 @@ TRACEPOINT_PROBE(tcp, tcp_probe)
     return 0;
 }
 #endif
+
+/* Tail call PROG_RUN_NOTES from a probed syscall's exit (forget() in http_conn.h): verified once,
+ * not in each exit program. */
+int run_notes(void *ctx)
+{
+    run_notes_for((u32)bpf_get_current_pid_tgid());
+    return 0;
+}

@@ -8,7 +8,7 @@
 
 #define REC_HTTP 1            /* byte 0 of every ring-buffer record is its type */
 
-#define HTTP_METHOD_MAX 8
+#define HTTP_METHOD_MAX 16    /* the longest method token the kernel accepts */
 #define HTTP_PATH_MAX 96      /* path without query string, truncated (REQF_PATH_TRUNC) */
 #define TP_CAP 56             /* the 55-byte version-00 traceparent value + the byte after it */
 #define RUNQ_SLOTS 4          /* longest run-queue waits kept per request */
@@ -27,6 +27,9 @@
 #define REQF_FIRST_ON_CONN 0x0080 /* first request seen on this connection: accept wait valid */
 #define REQF_TLB_HW        0x0100 /* tlb_* are hardware dTLB/iTLB load misses */
 #define REQF_RESP_TRUNC    0x0200 /* a later request or close cut the response short */
+#define REQF_METHOD_OTHER  0x0400 /* not a known method; `method` is the raw token (tchar only) */
+#define REQF_TARGET_ABS    0x0800 /* absolute-form target: scheme and authority were not copied */
+#define REQF_PATH_PARAMS   0x1000 /* ";params" of path segments were not copied */
 
 /* Limits user space and the docs reason about (sizes of the kernel's maps and windows). */
 #define HDR_WINDOW 4096       /* request bytes scanned for headers, request line included */
@@ -52,11 +55,14 @@
 #define WSF_CAP      0x02     /* a thread was refused: the set already had WS_MAX members */
 #define WSF_NO_GAP   0x04     /* the reader held no reference to this set (it served more than
                                * WS_REFS at once): unexplained_wait_ns is not measured */
+#define WSF_STATS    0x08     /* the reader's counters were taken when the request was read: the
+                               * enrichment fields are measured (without it they are not) */
 
 /* Indices of the `progs` prog_array: user space loads each scanner into its slot. */
 #define PROG_SCAN_REQ 0
 #define PROG_SCAN_RESP 1
-#define PROG_COUNT 2
+#define PROG_RUN_NOTES 2      /* a syscall's exit: the openings and endings its scanners noted */
+#define PROG_COUNT 3
 
 struct runq_wait {
     __u64 start_ns;
@@ -154,10 +160,23 @@ struct http_record {
 #define CNT_PIPELINE_SLOTS_FULL  2 /* requests not tracked: too many pipelined on one connection */
 #define CNT_NON_HTTP_CONNECTIONS 3 /* first reads on a connection that were not HTTP/1.x */
 #define CNT_REQUEST_STATE_LOST   4 /* request state evicted from the LRU before its response */
-#define CNT_READ_COPY_FAILED     5 /* bpf_probe_read_user failed on a request buffer */
+#define CNT_READ_COPY_FAILED     5 /* bpf_probe_read_user failed on a buffer to scan */
+/* Connections whose framing the kernel stopped trusting, by reason (once per connection): no
+ * request is opened on them any more; requests already open still take their responses. */
+#define CNT_UNTRUSTED_CONTENT_LENGTH       6  /* request Content-Length malformed, duplicate or folded */
+#define CNT_UNTRUSTED_TRANSFER_ENCODING    7  /* request Transfer-Encoding not ending in chunked */
+#define CNT_UNTRUSTED_TE_AND_CL            8  /* request with both (framed by TE, nothing after it) */
+#define CNT_UNTRUSTED_CHUNKED              9  /* chunked body syntax error (request or response) */
+#define CNT_UNTRUSTED_HEADERS_TOO_LONG     10 /* request line + headers past HDR_LIMIT */
+#define CNT_UNTRUSTED_REQUEST_LINE         11 /* where a request had to start, none did */
+#define CNT_UNTRUSTED_RESPONSE_WITHOUT_REQUEST 12 /* more responses than requests */
+#define CNT_UNTRUSTED_EARLY_RESPONSE       13 /* response before the request's headers ended */
+#define CNT_UNTRUSTED_RESPONSE_INVALID     14 /* bad status line or response Content-Length */
+#define CNT_UNTRUSTED_PIPELINE_OVERFLOW    15 /* more requests open than the kernel can frame */
+#define CNT_UNTRUSTED_UNSCANNED            16 /* bytes to frame were not scanned (budget, copy) */
 #define CNT_WORKSET_FULL        20 /* wakes refused: the work set already had WS_MAX threads */
 #define CNT_WORKSET_LOST        21 /* work sets evicted (or never created) before the response */
 #define CNT_WORKSET_REFS_FULL   22 /* threads in more than WS_REFS open work sets at once */
-#define CNT_MAX                 32 /* size of the map: indices in use are below it */
+#define CNT_MAX                  32 /* size of the map: indices in use are below it */
 
 #endif

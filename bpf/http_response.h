@@ -1,151 +1,153 @@
-/* The response scanner (tail call PROG_SCAN_RESP): status code and the end of each response
- * (Content-Length, chunked, HEAD/1xx/204/304, close), which emits the request's record. Part of
- * the bpf/http.c compile unit.
+/* The response scanner (tail call PROG_SCAN_RESP). Part of the bpf/http.c compile unit.
+ *
+ * Responses answer the open requests in order. Each one is parsed as it streams out, whatever
+ * the writes look like: a status line split across writes, headers longer than one window,
+ * chunk sizes in later iovecs of a writev or past the first window. It ends (and emits its
+ * request's record) after its Content-Length bytes, at the end of a chunked body, at the end
+ * of the headers for HEAD/1xx/204/304, or with the connection (close-delimited). A response
+ * that cannot be framed ends its request there, flagged REQF_RESP_UNTERM, and the connection
+ * is no longer trusted or scanned.
  */
 
-/* "HTTP/1.x NNN" at offset i: the status code, or 0. */
-static __always_inline u16 status_at(struct scratch *s, u32 i)
-{
-    if (i + 12 > s->n)
-        return 0;
-    if (BYTE(i) != 'H' || BYTE(i + 1) != 'T' || BYTE(i + 2) != 'T' || BYTE(i + 3) != 'P' ||
-        BYTE(i + 4) != '/' || BYTE(i + 5) != '1' || BYTE(i + 6) != '.' || BYTE(i + 8) != ' ')
-        return 0;
-    u8 a = BYTE(i + 9), b = BYTE(i + 10), d = BYTE(i + 11);
-    if (a < '1' || a > '5' || b < '0' || b > '9' || d < '0' || d > '9')
-        return 0;
-    return (a - '0') * 100 + (b - '0') * 10 + (d - '0');
-}
+/* "HTTP/1.", little-endian: byte k is (HTTP1_LE >> 8k) & 0xff */
+#define HTTP1_LE 0x2e312f50545448ULL
 
-
-/* The response to rec ended: emit it and move on to the next open request. */
-static __always_inline void complete_response(struct scratch *s, struct conn *c,
+/* The response to request `seq` ended: emit its record (when tracked), move on to the next. */
+static __always_inline void complete_response(struct scratch *s, struct conn *c, u64 seq,
                                               struct http_record *rec)
 {
-    rec->status = c->rs_status;
-    finish_request(rec, c, s->now);
-    emit(rec);
-    struct req_key key = {.sk = s->sk, .seq = c->head};
-    reqs.delete(&key);
-    c->head++;
-    c->rs_state = RS_STATUS;
+    if (!(c->ghost_bits & (1ULL << (seq & 63)))) {
+        rec->status = c->rs_status;
+        finish_request_in_scanner(s, rec, c);
+        emit(rec);
+        struct req_key key = {.sk = s->sk, .seq = seq};
+        reqs.delete(&key);
+    }
+    c->head = seq + 1;
+    reset_parser(&c->rs, P_STATUS);
     c->rs_status = 0;
+}
+
+/* The response cannot be framed from here: end it now, unterminated, and stop scanning writes.
+ * Requests still open end when the connection does (REQF_NO_RESPONSE). */
+static __always_inline void lose_response(struct scratch *s, struct conn *c, u64 seq,
+                                          struct http_record *rec, u32 reason)
+{
+    untrust(c, reason);
+    rec->flags |= REQF_RESP_UNTERM;
+    complete_response(s, c, seq, rec);
+    c->flags |= CONN_RESP_LOST;
+}
+
+/* The header section ended: frame the body (RFC 9112 6.3). */
+static __always_inline int response_headers_end(struct conn *c, struct http_record *rec)
+{
+    struct hparse *p = &c->rs;
+    u16 code = c->rs_status;
+    u64 bit = 1ULL << (c->head & 63);
+    u8 fr = p->fr;
+    if (code >= 100 && code < 200 && code != 101) {
+        reset_parser(p, P_STATUS);              /* interim (100 Continue): the final follows */
+        c->rs_status = 0;
+        return STEP_GO;
+    }
+    if ((c->head_bits & bit) || code == 204 || code == 304)
+        return STEP_NEXT;
+    if (code == 101 || ((c->connect_bits & bit) && code >= 200 && code < 300)) {
+        c->flags |= CONN_IGNORED;               /* upgraded or tunnelled: no longer HTTP/1.x */
+        return STEP_NEXT;
+    }
+    if (fr & FR_TE) {
+        /* Transfer-Encoding overrides Content-Length; without a final chunked coding the
+         * response is delimited by the close */
+        if ((fr & FR_TE_CHUNKED) && !(fr & FR_TE_BAD)) {
+            p->state = P_CHUNK_SIZE;
+            p->len = 0;
+            p->sub = 0;
+            return STEP_GO;
+        }
+    } else if (fr & FR_CL_BAD) {
+        return STEP_BAD;
+    } else if (fr & FR_CL) {
+        if (!p->len)
+            return STEP_NEXT;
+        p->state = P_BODY;
+        return STEP_GO;
+    }
+    p->state = P_OPAQUE;                        /* close-delimited: ends with the connection */
+    rec->flags |= REQF_RESP_UNTERM;
+    return STEP_GO;
 }
 
 static __always_inline int step_resp(struct scratch *s, struct conn *c, struct http_record *rec)
 {
+    struct hparse *p = &c->rs;
     u32 i = VLD(s->off);
-    u8 st = VLD(c->rs_state);
+    u8 st = VLD(p->state);
     if (i >= s->total)
         return STEP_STOP;
-    if (st == RS_BODY)
-        return skip_body(s, i, &c->rs_body, &rec->resp_bytes) ? STEP_NEXT : STEP_STOP;
-    if (st == RS_CHUNKED) {
-        /* The body ends with the "0\r\n\r\n" chunk: keep the last 5 bytes written. */
-        u32 end = s->total;
-        if (end <= s->n && end - i >= 5) {
-#pragma unroll
-            for (int k = 0; k < 5; k++)
-                c->rs_tail[k] = BYTE(end - 5 + k);
-        } else if (end <= s->n) {
-#pragma unroll
-            for (int k = 0; k < 5; k++) {
-                if (i + k < end) {
-                    c->rs_tail[0] = c->rs_tail[1];
-                    c->rs_tail[1] = c->rs_tail[2];
-                    c->rs_tail[2] = c->rs_tail[3];
-                    c->rs_tail[3] = c->rs_tail[4];
-                    c->rs_tail[4] = BYTE(i + k);
-                }
-            }
-        } else {
-            c->rs_tail[0] = 0;      /* the tail lies beyond what we copied: cannot tell */
-        }
-        rec->resp_bytes += end - i;
-        s->off = end;
-        if (c->rs_tail[0] == '0' && c->rs_tail[1] == '\r' && c->rs_tail[2] == '\n' &&
-            c->rs_tail[3] == '\r' && c->rs_tail[4] == '\n')
-            return STEP_NEXT;
-        return STEP_STOP;
-    }
-    if (st == RS_OPAQUE) {
+    if (in_body(st))
+        return body_step(s, p, i, &rec->resp_bytes);
+    if (st == P_OPAQUE) {
         rec->resp_bytes += s->total - i;
         s->off = s->total;
         return STEP_STOP;
     }
-    if (i >= s->n)
-        return STEP_STOP;
-    if (st == RS_STATUS) {
-        u16 code = status_at(s, i);
-        if (!code) {
-            rec->flags |= REQF_RESP_UNTERM;
-            c->rs_state = RS_OPAQUE;
-            return STEP_GO;
-        }
-        c->rs_status = code;
-        c->rs_cl = CL_MAX;          /* unknown until a Content-Length header says */
-        c->rs_chunked = 0;
-        rec->resp_bytes += 12;
-        s->off = i + 12;
-        c->rs_state = RS_LINE_REST;
+    if (!visible(s, i))
+        return STEP_RELOAD;
+    /* fast paths: 8 bytes of a skipped line at a time; a header name's first 8 at once */
+    int adv = -1;
+    if (st == P_LINE_REST || st == P_SKIP_LINE)
+        adv = no_lf8(s, i) ? 8 : -1;
+    else if (st == P_LINE_START)
+        adv = name_word(s, p, i);
+    if (adv >= 0) {
+        s->off = i + adv;
+        rec->resp_bytes += adv;
         return STEP_GO;
     }
     u8 ch = BYTE(i);
-    u32 adv = 1;
+    s->off = i + 1;
+    rec->resp_bytes += 1;
     int ret = STEP_GO;
-    int hdr_end = 0;
-    if (st == RS_LINE_REST || st == RS_SKIP_LINE) {
-        if (ch == '\n')
-            st = RS_LINE_START;
-    } else if (st == RS_LINE_START) {
-        if (ch == '\r') {
-            st = RS_CR;
-        } else if (ch == '\n') {
-            hdr_end = 1;
-        } else if (hdr_is(s, i, "content-length", 14)) {
-            adv = 15;
-            c->rs_cl = 0;
-            st = RS_CL_VALUE;
-        } else if (hdr_is(s, i, "transfer-encoding", 17)) {
-            adv = 18;
-            c->rs_chunked = 1;
-            st = RS_SKIP_LINE;
+    if (st == P_STATUS) {
+        /* "HTTP/1.x NNN", one byte at a time: a status line may be split across writes */
+        u8 k = p->sub;
+        if (k < 7) {
+            if (ch != (u8)(HTTP1_LE >> (8 * k)))
+                return STEP_BAD;
+        } else if (k == 7) {
+            if (ch < '0' || ch > '9')
+                return STEP_BAD;
+        } else if (k == 8) {
+            if (ch != ' ')
+                return STEP_BAD;
         } else {
-            st = RS_SKIP_LINE;
+            if (ch < (k == 9 ? '1' : '0') || ch > (k == 9 ? '5' : '9'))
+                return STEP_BAD;
+            c->rs_status = c->rs_status * 10 + (ch - '0');
+            if (k == 11)
+                p->state = P_LINE_REST;
         }
-    } else if (st == RS_CR) {
+        p->sub = k + 1;
+    } else if (st == P_LINE_REST || st == P_SKIP_LINE) {
         if (ch == '\n')
-            hdr_end = 1;
+            p->state = P_LINE_START;
+    } else if (st == P_LINE_START) {
+        if (line_start_byte(p, ch) == STEP_HDR_END)
+            ret = response_headers_end(c, rec);
+    } else if (st == P_CR) {
+        if (ch == '\n')
+            ret = response_headers_end(c, rec);
         else
-            st = RS_SKIP_LINE;
-    } else if (st == RS_CL_VALUE) {
-        st = cl_byte(&c->rs_cl, ch, RS_CL_VALUE, RS_LINE_START, RS_SKIP_LINE);
+            p->state = P_SKIP_LINE;
+    } else if (st == P_NAME) {
+        name_byte(p, ch);
+    } else if (st == P_CL_VALUE) {
+        cl_byte(p, ch);
+    } else if (st == P_TE_VALUE) {
+        te_byte(p, ch);
     }
-    if (hdr_end) {
-        u16 code = c->rs_status;
-        int head = rec->method_len == 4 && rec->method[0] == 'H';
-        if (code >= 100 && code < 200 && code != 101) {
-            st = RS_STATUS;         /* interim (100 Continue): the final response follows */
-        } else if (head || code == 204 || code == 304 || code == 101) {
-            if (code == 101)
-                c->flags |= CONN_IGNORED;   /* upgraded: no longer HTTP/1.x */
-            ret = STEP_NEXT;
-        } else if (c->rs_chunked) {
-            c->rs_tail[0] = 0;
-            st = RS_CHUNKED;
-        } else if (c->rs_cl < CL_MAX) {
-            c->rs_body = c->rs_cl;
-            st = RS_BODY;
-            if (c->rs_cl == 0)
-                ret = STEP_NEXT;
-        } else {
-            st = RS_OPAQUE;         /* close-delimited: ends when the connection does */
-            rec->flags |= REQF_RESP_UNTERM;
-        }
-    }
-    s->off = i + adv;
-    rec->resp_bytes += adv;
-    c->rs_state = st;
     return ret;
 }
 
@@ -157,24 +159,24 @@ int scan_resp(void *ctx)
         return 0;
     u64 sk = s->sk;
     struct conn *c = conns.lookup(&sk);
-    if (!c || c->head >= c->tail)
+    if (!c || (c->flags & (CONN_IGNORED | CONN_RESP_LOST)) || c->head >= c->tail)
         return 0;
-    struct req_key key = {.sk = sk, .seq = c->head};
-    struct http_record *rec = reqs.lookup(&key);
-    if (!rec) {
-        count(CNT_REQUEST_STATE_LOST);
-        c->head++;
-        c->rs_state = RS_STATUS;
+    if (!visible(s, s->off) && s->off < s->total && !skipping(c->rs.state))
+        s->walk_more = load_window(s);
+    u64 seq = c->head;
+    struct http_record *rec = current_request(s, c, seq);
+    if (!rec)
         return 0;
-    }
-    if (!rec->resp_start_ns) {
-        rec->resp_start_ns = s->now;
-        c->unacked_max = 0;
-        /* The server answers the latest request: whatever its headers did, it has been read.
-         * A parser that lost the header end (window, unframed body) restarts here. */
-        u8 rq = c->rq_state;
-        if (c->head + 1 == c->tail && rq != RQ_NONE && rq != RQ_BODY)
-            c->rq_state = RQ_NONE;
+    if (c->rs.state == P_STATUS && c->rs.sub == 0) {
+        if (!rec->resp_start_ns) {
+            rec->resp_start_ns = s->now;
+            c->unacked_max = 0;
+        }
+        /* The server answers a request whose headers we have not seen end: it framed that
+         * request differently (an error it answers early, or bytes we cannot see). */
+        u8 rq = c->rq.state;
+        if (seq + 1 == c->tail && rq > P_TARGET && rq < P_BODY)
+            untrust(c, CNT_UNTRUSTED_EARLY_RESPONSE);
     }
     int r = STEP_GO;
 #pragma unroll 1
@@ -183,12 +185,31 @@ int scan_resp(void *ctx)
         if (r != STEP_GO)
             break;
     }
-    if (r == STEP_NEXT)
-        complete_response(s, c, rec);
-    /* more bytes: the same response's headers, or pipelined responses sharing one write */
-    if (r != STEP_STOP && s->off < s->total && c->head < c->tail && s->chain < 30) {
+    if (r == STEP_NEXT) {
+        complete_response(s, c, seq, rec);
+    } else if (r == STEP_BAD) {
+        lose_response(s, c, seq, rec,
+                      in_body(c->rs.state) ? CNT_UNTRUSTED_CHUNKED : CNT_UNTRUSTED_RESPONSE_INVALID);
+        return 0;
+    }
+    /* more bytes: the same response, or pipelined responses sharing one write */
+    if (r == STEP_STOP || s->off >= s->total || c->head >= c->tail ||
+        (c->flags & (CONN_IGNORED | CONN_RESP_LOST)))
+        return 0;
+    if (r == STEP_RELOAD && s->base == s->off && s->n == 0 && !s->walk_more) {
+        lose_response(s, c, seq, rec, CNT_UNTRUSTED_UNSCANNED);   /* bytes we cannot see */
+        return 0;
+    }
+    if (s->chain < CHAIN_MAX) {
         s->chain++;
         progs.call(ctx, PROG_SCAN_RESP);
+    }
+    /* out of tail calls with bytes to frame */
+    if (c->head == seq) {
+        lose_response(s, c, seq, rec, CNT_UNTRUSTED_UNSCANNED);
+    } else {
+        untrust(c, CNT_UNTRUSTED_UNSCANNED);    /* the next response starts where we stop */
+        c->flags |= CONN_RESP_LOST;
     }
     return 0;
 }

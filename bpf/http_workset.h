@@ -43,6 +43,26 @@ static __always_inline void flush_oncpu(struct tstat *t, u64 now)
         t->appt += d / n;
 }
 
+#ifdef TLB_HW
+/* In the thread itself: add the hardware dTLB/iTLB misses of its running on-CPU slice and
+ * restart the slice here (sched_switch adds the completed slices). */
+static __always_inline void flush_tlb_hw(struct tstat *t)
+{
+    int cpu = bpf_get_smp_processor_id();
+    u64 dn = dtlb.perf_read(cpu), in = itlb.perf_read(cpu);
+    if ((s64)dn >= 0) {
+        if (t->hw_d_in && dn >= t->hw_d_in)
+            acct(t, WSIG_TLB_A, dn - t->hw_d_in);
+        t->hw_d_in = dn;            /* first sight of the thread: its slice is counted from here */
+    }
+    if ((s64)in >= 0) {
+        if (t->hw_i_in && in >= t->hw_i_in)
+            acct(t, WSIG_TLB_B, in - t->hw_i_in);
+        t->hw_i_in = in;
+    }
+}
+#endif
+
 /* The thread's totals, created zeroed when missing. `running`: it is the current thread, so its
  * on-CPU slice starts now; otherwise it is being woken (it sleeps until sched_wakeup says not). */
 static __always_inline struct tstat *thread_for(u32 tid, int running, u64 now)
@@ -71,6 +91,7 @@ static __always_inline struct tstat *thread_for(u32 tid, int running, u64 now)
 /* ---------------------------------------------------------------- work sets */
 
 #define WS_NO_SLOT 0xff
+#define REF_REPLIED 0x80000000  /* ws_ref.idx: the thread left the set by waking its reader */
 #define PF_KTHREAD_ 0x00200000  /* task_struct.flags: a kernel thread */
 #define NET_TX_SOFTIRQ_ 2
 #define NET_RX_SOFTIRQ_ 3
@@ -137,6 +158,15 @@ static __always_inline int ref_add(struct tstat *t, struct ws_key *key, u32 idx)
 {
 #pragma unroll
     for (int r = 0; r < WS_REFS; r++) {
+        if (t->refs[r].conn_id == key->conn_id && t->refs[r].seq == key->seq) {
+            if (t->refs[r].idx & REF_REPLIED && t->nreplied)
+                t->nreplied--;  /* it had replied: it works for the set again */
+            t->refs[r].idx = idx;
+            return 1;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < WS_REFS; r++) {
         if (t->refs[r].conn_id == 0) {
             t->refs[r].conn_id = key->conn_id;
             t->refs[r].seq = key->seq;
@@ -160,8 +190,12 @@ static __always_inline void ref_drop(struct tstat *t, struct ws_key *key)
  * request's state was lost): t no longer works for it. */
 static __always_inline void ref_stale(struct tstat *t, int r, u64 now)
 {
-    t->refs[r & (WS_REFS - 1)].conn_id = 0;
-    if (t->nopen) {
+    struct ws_ref *ref = &t->refs[r & (WS_REFS - 1)];
+    ref->conn_id = 0;
+    if (ref->idx & REF_REPLIED) {
+        if (t->nreplied)
+            t->nreplied--;
+    } else if (t->nopen) {
         flush_oncpu(t, now);
         t->nopen--;
     }
@@ -180,7 +214,7 @@ static __always_inline void ws_note_sharing(struct tstat *t, struct workset *sel
 #pragma unroll
     for (int r = 0; r < WS_REFS; r++) {
         struct ws_key k = {.conn_id = t->refs[r].conn_id, .seq = t->refs[r].seq};
-        if (!k.conn_id)
+        if (!k.conn_id || (t->refs[r].idx & REF_REPLIED))
             continue;
         struct workset *o = worksets.lookup(&k);
         if (o && o->shared_max < others)
@@ -194,6 +228,10 @@ static __always_inline void ws_begin(struct workset *ws, struct ws_key *key, u32
 {
     struct ws_mem *m = &ws->m[i & (WS_MAX - 1)];
     flush_oncpu(t, now);        /* the slice so far belongs to the old count */
+#ifdef TLB_HW
+    if ((u32)bpf_get_current_pid_tgid() == m->tid)
+        flush_tlb_hw(t);
+#endif
     if (t->sleep_ts && now > t->sleep_ts) {
         /* the sleep it is being woken from began before it worked for the set: not the set's */
         acct(t, WSIG_OFFCPU, now - t->sleep_ts);
@@ -271,6 +309,10 @@ static __always_inline void ws_end(struct workset *ws, struct ws_key *key, u32 i
     if (!t)
         return;
     flush_oncpu(t, now);
+#ifdef TLB_HW
+    if ((u32)bpf_get_current_pid_tgid() == m->tid)
+        flush_tlb_hw(t);        /* else: its misses as of its last switch-out */
+#endif
     if (!m->pid)
         m->pid = t->tgid;
 #pragma unroll
@@ -342,29 +384,57 @@ static __always_inline void ws_open(struct http_record *rec, struct tstat *t, u6
         ws->flags |= WSF_NO_GAP;
 }
 
-/* The response ended at end_ns: every member still in the set leaves; the sums go to the
- * record. The record's enrichment fields stay zero without WSF_TRACKED (the set was lost). */
-static __always_inline void ws_finish(struct http_record *rec, u64 end_ns)
+/* Add v to the record's own value of signal sig (a constant once the callers' loops unroll). */
+static __always_inline void rec_own(struct http_record *rec, u32 sig, u64 v)
+{
+    if (sig == WSIG_ONCPU)
+        rec->oncpu_ns += v;
+    else if (sig == WSIG_RUNQ)
+        rec->runq_ns += v;
+    else if (sig == WSIG_OFFCPU)
+        rec->offcpu_ns += v;
+    else if (sig == WSIG_MINFLT)
+        rec->minflt += v;
+    else if (sig == WSIG_MAJFLT)
+        rec->majflt += v;
+    else if (sig == WSIG_TLB_A)
+        rec->tlb_a += v;
+    else if (sig == WSIG_TLB_B)
+        rec->tlb_b += v;
+    else
+        rec->nr_switches += v;
+}
+
+/* The work set's values as of `now`, written into the record (overwriting any earlier ones):
+ * what the members that left added, plus what each member still in the set did since it
+ * joined. Nobody leaves here, so it can run at every response write (ws_checkpoint). */
+static __always_inline void ws_snapshot(struct http_record *rec, u64 now)
 {
     struct ws_key key = {.conn_id = rec->conn_id, .seq = rec->seq};
     struct workset *ws = worksets.lookup(&key);
-    if (!ws) {
-        count(CNT_WORKSET_LOST);
+    if (!ws)
         return;
+    rec->oncpu_ns = rec->runq_ns = rec->offcpu_ns = rec->tlb_a = rec->tlb_b = 0;
+    rec->minflt = rec->majflt = rec->nr_switches = 0;
+#pragma unroll
+    for (int s = 0; s < WSIG_COUNT; s++) {
+        rec->shared[s] = ws->sh[s];
+        rec_own(rec, s, ws->tot[s] - ws->sh[s]);
     }
-    u32 n = ws->n;
+    rec->helper_oncpu_ns = ws->helper_oncpu;
+    rec->shared_apportioned_ns = ws->appt;
+    __builtin_memcpy(rec->members, ws->slots, sizeof(rec->members));
     u32 procs = 0;
-    /* Real bounded loops, not unrolled: this runs inside the scanners and the close path, and
-     * eight inlined copies of ws_end would not fit the BPF stack. */
+    /* A real bounded loop, not unrolled: eight inlined copies would not fit the BPF stack. */
 #pragma clang loop unroll(disable)
     for (u32 i = 0; i < WS_MAX; i++) {
         if (i >= *(volatile u32 *)&ws->n)  /* re-read, so the bound the verifier sees is WS_MAX */
             break;
         struct ws_mem *m = &ws->m[i & (WS_MAX - 1)];
-        if (!m->left) {
-            u32 tid = m->tid;
-            ws_end(ws, &key, i, threads.lookup(&tid), end_ns);
-        }
+        u32 tid = m->tid;
+        struct tstat *t = m->left ? 0 : threads.lookup(&tid);
+        if (t && !m->pid)
+            m->pid = t->tgid;
         u32 p = m->pid;
         int first = p != 0;
 #pragma unroll
@@ -372,32 +442,87 @@ static __always_inline void ws_finish(struct http_record *rec, u64 end_ns)
             if (k < i && ws->m[k].pid == p)
                 first = 0;
         procs += first;
-    }
-    if (ws->gap_ts && end_ns > ws->gap_ts)
-        ws->unexplained += end_ns - ws->gap_ts;
-    rec->runq_ns = ws->tot[WSIG_RUNQ] - ws->sh[WSIG_RUNQ];
-    rec->offcpu_ns = ws->tot[WSIG_OFFCPU] - ws->sh[WSIG_OFFCPU];
-    rec->tlb_a = ws->tot[WSIG_TLB_A] - ws->sh[WSIG_TLB_A];
-    rec->tlb_b = ws->tot[WSIG_TLB_B] - ws->sh[WSIG_TLB_B];
-    rec->minflt = ws->tot[WSIG_MINFLT] - ws->sh[WSIG_MINFLT];
-    rec->majflt = ws->tot[WSIG_MAJFLT] - ws->sh[WSIG_MAJFLT];
-    rec->nr_switches = ws->tot[WSIG_SWITCHES] - ws->sh[WSIG_SWITCHES];
-    rec->oncpu_ns = ws->tot[WSIG_ONCPU] - ws->sh[WSIG_ONCPU];
-    rec->helper_oncpu_ns = ws->helper_oncpu;
-    rec->unexplained_wait_ns = ws->unexplained;
-    rec->shared_apportioned_ns = ws->appt;
+        if (!t)
+            continue;
+        flush_oncpu(t, now);
+#ifdef TLB_HW
+        if ((u32)bpf_get_current_pid_tgid() == tid)
+            flush_tlb_hw(t);
+#endif
 #pragma unroll
-    for (int s = 0; s < WSIG_COUNT; s++)
-        rec->shared[s] = ws->sh[s];
-    rec->ws_threads = n;
+        for (int s = 0; s < WSIG_COUNT; s++) {
+            u64 d = t->tot[s] - m->base_tot[s];
+            u64 dsh = t->sh[s] - m->base_sh[s];
+            if (dsh > d)        /* a racing update on another CPU: never a negative own part */
+                dsh = d;
+            rec->shared[s] += dsh;
+            rec_own(rec, s, d - dsh);
+        }
+        rec->shared_apportioned_ns += t->appt - m->base_appt;
+        u64 oncpu = own_delta(t, m, WSIG_ONCPU);
+        if (i != 0)
+            rec->helper_oncpu_ns += oncpu;
+        u32 slot = m->slot;
+        if (slot < WS_SLOTS) {
+            struct ws_member *o = &rec->members[slot & (WS_SLOTS - 1)];
+            o->pid = p;
+            o->leave_ns = now;
+            o->oncpu_ns += oncpu;
+            o->shared_oncpu_ns += (t->tot[WSIG_ONCPU] - m->base_tot[WSIG_ONCPU]) - oncpu;
+            o->runq_ns += own_delta(t, m, WSIG_RUNQ);
+            o->minflt += own_delta(t, m, WSIG_MINFLT);
+            o->majflt += own_delta(t, m, WSIG_MAJFLT);
+            o->tlb_a += own_delta(t, m, WSIG_TLB_A);
+            o->tlb_b += own_delta(t, m, WSIG_TLB_B);
+        }
+    }
+    u64 unexplained = ws->unexplained;
+    if (ws->gap_ts && now > ws->gap_ts)
+        unexplained += now - ws->gap_ts;
+    rec->unexplained_wait_ns = unexplained;
+    rec->ws_threads = ws->n;
     rec->ws_processes = procs;
     rec->ws_shared_with_max = ws->shared_max;
     rec->ws_unslotted = ws->unslotted;
     rec->ws_refused = ws->refused;
     rec->ws_nslots = ws->nslots;
-    rec->ws_flags = ws->flags | WSF_TRACKED;
-    __builtin_memcpy(rec->members, ws->slots, sizeof(rec->members));
+    rec->ws_flags |= ws->flags | WSF_TRACKED;
+}
+
+/* The request ended at end_ns: every member still in its set leaves, and the set is gone. */
+static __always_inline void ws_close(u64 conn_id, u64 seq, u64 end_ns)
+{
+    struct ws_key key = {.conn_id = conn_id, .seq = seq};
+    struct workset *ws = worksets.lookup(&key);
+    if (!ws) {
+        count(CNT_WORKSET_LOST);
+        return;
+    }
+#pragma clang loop unroll(disable)
+    for (u32 i = 0; i < WS_MAX; i++) {
+        if (i >= *(volatile u32 *)&ws->n)
+            break;
+        struct ws_mem *m = &ws->m[i & (WS_MAX - 1)];
+        if (!m->left) {
+            u32 tid = m->tid;
+            ws_end(ws, &key, i, threads.lookup(&tid), end_ns);
+        }
+    }
     worksets.delete(&key);
+}
+
+/* At the start of each response write (sock_send_length, before the scanner): if the write ends
+ * the response, the record goes out with the work set as of now (the scanner, at the verifier's
+ * limit, does no work-set work). */
+static __always_inline void ws_checkpoint(u64 sk, struct conn *c, u64 now)
+{
+    u64 seq = c->head;
+    if (c->ghost_bits & (1ULL << (seq & 63)))
+        return;                 /* untracked: no record */
+    struct req_key key = {.sk = sk, .seq = seq};
+    struct http_record *rec = reqs.lookup(&key);
+    if (rec && (rec->ws_flags & WSF_STATS))
+        ws_snapshot(rec, now);
 }
 
 /* The thread (totals t) blocked (asleep) or was woken: the reader's state and the count of
@@ -414,7 +539,10 @@ static __always_inline void ws_blocked(struct tstat *t, u32 asleep, u64 now)
             ref_stale(t, r, now);
             continue;
         }
-        if (t->refs[r].idx == 0)
+        u32 idx = t->refs[r].idx;
+        if (idx & REF_REPLIED)
+            continue;           /* left: its blocking is none of the set's business */
+        if (idx == 0)
             ws->reader_blocked = asleep;
         else if (asleep && ws->helpers_awake)
             ws->helpers_awake--;
@@ -527,8 +655,8 @@ static __always_inline int ws_wake(void *p)
     u64 id = bpf_get_current_pid_tgid();
     u32 me = (u32)id;
     struct tstat *t = threads.lookup(&me);
-    if (!t || !t->nopen)
-        return 0;               /* the early exit: the waker is in no open work set */
+    if (!t || !(t->nopen || t->nreplied))
+        return 0;
     if (in_irq_ctx())
         return 0;
     u32 wakee = 0;
@@ -544,6 +672,8 @@ static __always_inline int ws_wake(void *p)
     for (int r = 0; r < WS_REFS; r++) {
         struct ws_key k = {.conn_id = t->refs[r].conn_id, .seq = t->refs[r].seq};
         u32 my_idx = t->refs[r].idx;
+        u32 replied = my_idx & REF_REPLIED;
+        my_idx &= ~REF_REPLIED;
         if (!k.conn_id)
             continue;
         struct workset *ws = worksets.lookup(&k);
@@ -553,12 +683,18 @@ static __always_inline int ws_wake(void *p)
         }
         int wi = ws_find(ws, wakee);
         if (wi >= 0 && !ws->m[wi & (WS_MAX - 1)].left) {
-            /* The reply is a wake of the reader. A wake of another member is no reply: lock
-             * and GIL hand-offs between helpers are wakes too, and would end a helper's part
-             * before its work (a ProcessPoolExecutor's feeder thread hands the GIL to the
-             * manager thread that woke it before it writes the task to the worker). */
-            if (my_idx != 0 && wi == 0) {
+            /* The reply is a wake of the reader: the waker leaves, keeping a reference. A wake
+             * of another member is no reply (lock and GIL hand-offs between helpers are wakes
+             * too). A GIL hand-off to the reader looks like a reply, so a helper that then hands
+             * the work on (wakes a thread outside the set) rejoins below: a ProcessPoolExecutor's
+             * feeder thread gives the GIL back to the handler before it writes the task to the
+             * worker process. */
+            if (!replied && my_idx != 0 && wi == 0) {
                 ws_end(ws, &k, my_idx, t, now);
+                t->refs[r].conn_id = k.conn_id;
+                t->refs[r].seq = k.seq;
+                t->refs[r].idx = my_idx | REF_REPLIED;
+                t->nreplied++;
                 u32 slot = ws->m[my_idx & (WS_MAX - 1)].slot;
                 if (slot < WS_SLOTS)
                     bpf_get_current_comm(&ws->slots[slot & (WS_SLOTS - 1)].comm,
@@ -581,6 +717,8 @@ static __always_inline int ws_wake(void *p)
         }
         if (!may_join)
             break;
+        if (replied)
+            ws_begin(ws, &k, my_idx, t, now);   /* it hands the work on: not a reply after all */
         struct tstat *w = thread_for(wakee, 0, now);
         if (!w)
             continue;
@@ -595,6 +733,21 @@ static __always_inline int ws_wake(void *p)
 
 /* Raw tracepoints: their argument is the woken (or new) task itself, which the flags and process
  * are read from; sched_waking fires in the waker's context, wake_up_new_task in the creator's. */
-RAW_TRACEPOINT_PROBE(sched_waking) { return ws_wake((void *)ctx->args[0]); }
-RAW_TRACEPOINT_PROBE(sched_wakeup_new) { return ws_wake((void *)ctx->args[0]); }
+/* Both raw tracepoints exit early for a waker in no open work set (one `threads` lookup), and
+ * tail-call the one program that does the rest (verified once, not once per tracepoint). */
+BPF_PROG_ARRAY(ws_progs, 1);    /* [0]: ws_wake_prog, loaded by user space */
+
+static __always_inline int ws_wake_entry(struct bpf_raw_tracepoint_args *ctx)
+{
+    u32 me = (u32)bpf_get_current_pid_tgid();
+    struct tstat *t = threads.lookup(&me);
+    if (t && (t->nopen || t->nreplied))
+        ws_progs.call(ctx, 0);
+    return 0;
+}
+
+int ws_wake_prog(struct bpf_raw_tracepoint_args *ctx) { return ws_wake((void *)ctx->args[0]); }
+
+RAW_TRACEPOINT_PROBE(sched_waking) { return ws_wake_entry(ctx); }
+RAW_TRACEPOINT_PROBE(sched_wakeup_new) { return ws_wake_entry(ctx); }
 #endif /* WITH_WORKSET */

@@ -12,10 +12,18 @@ Rules applied here:
   - with no endpoint, protocol or exporter configured at all, spans go to an OTLP/JSON-lines file.
 Every bad value raises ExporterConfigError (a ValueError) whose message starts with the variable.
 
+The OTLP exporters are the opentelemetry-exporter-otlp package's (grpc_sender, http_sender), and
+they could read these variables themselves. They are resolved here instead, and every value is
+passed to the package explicitly (its explicit arguments win over its own environment reads),
+because the package reads OTEL_EXPORTER_OTLP_*TIMEOUT as seconds where the spec says
+milliseconds, skips or replaces a bad value with a logged warning where tracejoin must name the
+variable and stop, reads only os.environ (not the mapping it is given), and does not know our
+overrides (`--otlp-endpoint` is a base URL that must outrank OTEL_EXPORTER_OTLP_TRACES_ENDPOINT).
+
 Overrides (keys; a value of None means "not given", so a CLI can pass every option):
   exporter ("otlp" | "file" | "console"), endpoint (base URL), traces_endpoint (exact URL),
   protocol, headers (str "k=v,..." or a mapping), timeout_s (seconds), compression,
-  insecure (bool), certificate (path), file_path.
+  insecure (bool), certificate, client_key, client_certificate (paths), file_path.
 """
 
 from __future__ import annotations
@@ -29,8 +37,6 @@ from urllib.parse import unquote, urlsplit
 
 from tracejoin.exporters.base import SpanExporter
 from tracejoin.exporters.file_sender import ConsoleExporter, JsonLinesFileExporter
-from tracejoin.exporters.grpc_sender import OtlpGrpcExporter, grpc_target
-from tracejoin.exporters.http_sender import OtlpHttpExporter, traces_url
 
 GRPC = "grpc"
 HTTP_PROTOBUF = "http/protobuf"
@@ -40,6 +46,7 @@ DEFAULT_GRPC_ENDPOINT = "http://localhost:4317"
 DEFAULT_HTTP_ENDPOINT = "http://localhost:4318"
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_FILE_PATH = "tracejoin-spans.otlp.jsonl"
+TRACES_PATH = "v1/traces"
 
 ENV_EXPORTER = "OTEL_TRACES_EXPORTER"
 _P = "OTEL_EXPORTER_OTLP_"
@@ -66,7 +73,9 @@ class ExporterSettings:
     timeout_s: float = DEFAULT_TIMEOUT_S
     compression: str | None = None
     insecure: bool | None = None
-    certificate: str | None = None
+    certificate: str | None = None  # CA bundle that verifies the collector
+    client_key: str | None = None  # mTLS: the agent's key and certificate chain
+    client_certificate: str | None = None
     file_path: str = DEFAULT_FILE_PATH
 
 
@@ -113,11 +122,19 @@ def _parse_bool(text: str, variable: str) -> bool:
     raise ExporterConfigError(variable, f"expected true or false, got {text!r}")
 
 
+def traces_url(base_endpoint: str) -> str:
+    """OTEL_EXPORTER_OTLP_ENDPOINT is a base URL: the traces path is appended to its path."""
+    return base_endpoint.rstrip("/") + "/" + TRACES_PATH
+
+
 def _check_url(url: str, variable: str, *, allow_bare: bool) -> None:
     """An http(s) URL with a host and a valid port (or, for gRPC, a bare host:port)."""
     try:
-        if allow_bare:
-            grpc_target(url)
+        if allow_bare and "://" not in url:
+            parts = urlsplit("//" + url)
+            if not parts.hostname:
+                raise ValueError("no host")
+            _ = parts.port  # raises ValueError when not a valid port
             return
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https"):
@@ -163,6 +180,8 @@ _OVERRIDE_KEYS = {
     "compression",
     "insecure",
     "certificate",
+    "client_key",
+    "client_certificate",
     "file_path",
 }
 
@@ -259,13 +278,22 @@ def settings_from_env(
         var, value = got
         insecure = value if isinstance(value, bool) else _parse_bool(str(value), var)
 
-    certificate = None
-    got = src.get("certificate", _T + "CERTIFICATE", _P + "CERTIFICATE")
-    if got:
-        var, value = got
-        certificate = str(value)
-        if not os.path.isfile(certificate):
-            raise ExporterConfigError(var, f"certificate file {certificate!r} does not exist")
+    files: dict[str, str | None] = {}
+    for key, suffix in (
+        ("certificate", "CERTIFICATE"),
+        ("client_key", "CLIENT_KEY"),
+        ("client_certificate", "CLIENT_CERTIFICATE"),
+    ):
+        files[key] = None
+        got = src.get(key, _T + suffix, _P + suffix)
+        if got:
+            var, value = got
+            files[key] = str(value)
+            if not os.path.isfile(str(value)):
+                raise ExporterConfigError(var, f"{key} file {str(value)!r} does not exist")
+    if bool(files["client_key"]) != bool(files["client_certificate"]):
+        missing = "CLIENT_CERTIFICATE" if files["client_key"] else "CLIENT_KEY"
+        raise ExporterConfigError(_P + missing, "mTLS needs both the client key and certificate")
 
     return ExporterSettings(
         kind="otlp_grpc" if is_grpc else "otlp_http",
@@ -274,7 +302,9 @@ def settings_from_env(
         timeout_s=timeout_s,
         compression=compression,
         insecure=insecure,
-        certificate=certificate,
+        certificate=files["certificate"],
+        client_key=files["client_key"],
+        client_certificate=files["client_certificate"],
         file_path=file_path,
     )
 
@@ -284,22 +314,32 @@ def build_exporter(settings: ExporterSettings) -> SpanExporter:
         return ConsoleExporter()
     if settings.kind == "file":
         return JsonLinesFileExporter(settings.file_path)
+    tls_files = {
+        "certificate_file": settings.certificate,
+        "client_key_file": settings.client_key,
+        "client_certificate_file": settings.client_certificate,
+    }
+    # Imported here: each pulls in its half of the OTLP package (grpc alone takes ~0.5 s).
     if settings.kind == "otlp_grpc":
+        from tracejoin.exporters.grpc_sender import OtlpGrpcExporter
+
         return OtlpGrpcExporter(
             settings.endpoint,
             headers=settings.headers,
             timeout_s=settings.timeout_s,
             compression=settings.compression,
             insecure=settings.insecure,
-            certificate_file=settings.certificate,
+            **tls_files,
         )
     if settings.kind == "otlp_http":
+        from tracejoin.exporters.http_sender import OtlpHttpExporter
+
         return OtlpHttpExporter(
             settings.endpoint,
             headers=settings.headers,
             timeout_s=settings.timeout_s,
             compression=settings.compression,
-            certificate_file=settings.certificate,
+            **tls_files,
         )
     raise ValueError(f"unknown exporter kind {settings.kind!r}")
 

@@ -7,8 +7,9 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
-from typing import TextIO
+from typing import IO, TextIO
 
+from tracejoin.core.files import open_private
 from tracejoin.core.model import STATUS_ERROR, STATUS_OK, Span
 from tracejoin.core.text import terminal_safe
 from tracejoin.exporters.base import ExportResult
@@ -21,7 +22,7 @@ class JsonLinesFileExporter:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self._file: TextIO | None = None
+        self._file: IO[str] | None = None
         self._lock = threading.Lock()
         self._closed = False
 
@@ -35,7 +36,7 @@ class JsonLinesFileExporter:
             try:
                 if self._file is None:
                     # A lone surrogate (from undecodable input) becomes "?", not a failed batch.
-                    self._file = open(self.path, "a", encoding="utf-8", errors="replace")  # noqa: SIM115
+                    self._file = open_private(self.path, "a", errors="replace")  # 0600, no symlinks
                 self._file.write(line)
                 self._file.flush()
             except OSError as err:  # disk full, directory gone: may clear up
@@ -58,12 +59,14 @@ _STATUS_NAMES = {STATUS_OK: "OK", STATUS_ERROR: "ERROR"}
 
 
 def console_line(span: Span) -> str:
-    # Span names carry client-chosen paths and methods, and this goes to a terminal: escaped.
+    """One line for a terminal: the name and status message come from HTTP clients, so every
+    control character in them is escaped (a path can carry ESC sequences)."""
     status = _STATUS_NAMES.get(span.status_code, "UNSET")
     if span.status_message:
         status += f" ({span.status_message})"
     ms = span.duration_ns / 1e6
-    return terminal_safe(f"{span.trace_id_hex} {span.span_id_hex} {span.name} {ms:.3f} ms {status}")
+    line = f"{span.trace_id_hex} {span.span_id_hex} {span.name} {ms:.3f} ms {status}"
+    return terminal_safe(line)
 
 
 class ConsoleExporter:

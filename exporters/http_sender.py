@@ -1,175 +1,121 @@
-"""OTLP/HTTP sender: POST application/x-protobuf, stdlib http.client, one kept-alive connection.
+"""OTLP/HTTP sender: the OpenTelemetry OTLP/HTTP span exporter, fed tracejoin's encoder.
 
-Retryable per the OTLP spec: 429, 502, 503, 504 and connection-level errors, honouring
-Retry-After. Every other non-2xx response is permanent.
+The package (opentelemetry-exporter-otlp-proto-http) does the transport: the connection pool
+(kept-alive connections, resent at once when a pooled connection turns out stale), TLS and mTLS
+(CA certificate, client key and certificate), headers, compression, the request size limit,
+which responses are retryable (429, 502, 503, 504, connection errors) and Retry-After.
+Of its two transports we take the urllib3 one: requests (its default) lets REQUESTS_CA_BUNDLE
+or CURL_CA_BUNDLE in the environment replace the configured CA certificate on every request
+(psf/requests#3829; many images set them, this test machine does), and its timeout bounds each
+socket operation where urllib3's bounds the whole request, which a shutdown deadline needs.
+
+Two things are ours. The encoding: the spans are tracejoin's model.Span, written straight to
+protobuf bytes by otlp_proto (docs/architecture.md, "Why the encoder is hand-written"). And one
+attempt per call: the package's own export() retries with backoff for up to its timeout;
+BatchExportQueue retries instead (queue.py says why), so export() here goes through the
+package's single-attempt path (_OTLPHTTPClient._submit) and reports whether a retry is worth it.
+These are the package's private names: pyproject.toml pins the minor version they were read in.
 """
 
 from __future__ import annotations
 
 import contextlib
-import email.utils
-import gzip
-import http.client
-import socket
-import ssl
-import threading
-import time
 from collections.abc import Mapping, Sequence
-from urllib.parse import urlsplit
 
 import tracejoin
+import urllib3
+from opentelemetry.exporter.http.transport._base import BaseHTTPResult
+from opentelemetry.exporter.http.transport._urllib3 import Urllib3HTTPTransport
+from opentelemetry.exporter.otlp.common import http as otlp_http
+from opentelemetry.exporter.otlp.proto.http._common import _is_request_too_large
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from tracejoin.core.model import Span
 from tracejoin.exporters.base import ExportResult, ExportStatus
 from tracejoin.exporters.otlp_proto import encode_request_bytes
 
-DEFAULT_ENDPOINT = "http://localhost:4318"
-TRACES_PATH = "v1/traces"
-_RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
-# A kept-alive connection the server has since closed fails like this before any response; the
-# request is then resent once on a fresh connection rather than waiting out a backoff.
-_STALE_CONNECTION = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+DEFAULT_URL = "http://localhost:4318/v1/traces"
+USER_AGENT = f"tracejoin/{tracejoin.__version__}"
 
 
-def traces_url(base_endpoint: str) -> str:
-    """OTEL_EXPORTER_OTLP_ENDPOINT is a base URL: the traces path is appended to its path."""
-    return base_endpoint.rstrip("/") + "/" + TRACES_PATH
+class OtlpHttpExporter(OTLPSpanExporter):
+    """POST application/x-protobuf to `url` (the full traces URL), one attempt per export()."""
 
-
-def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
-    """Seconds to wait from a Retry-After header (delta-seconds or an HTTP-date)."""
-    if not value:
-        return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    if when.tzinfo is None:
-        return None
-    return max(0.0, when.timestamp() - (time.time() if now is None else now))
-
-
-class OtlpHttpExporter:
     def __init__(
         self,
-        url: str = DEFAULT_ENDPOINT + "/" + TRACES_PATH,
+        url: str = DEFAULT_URL,
         *,
         headers: Mapping[str, str] | None = None,
         timeout_s: float = 10.0,
         compression: str | None = None,
         certificate_file: str | None = None,
+        client_key_file: str | None = None,
+        client_certificate_file: str | None = None,
     ) -> None:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https"):
-            raise ValueError(f"unsupported scheme in {url!r} (use http:// or https://)")
-        if not parts.hostname:
-            raise ValueError(f"no host in {url!r}")
-        if compression not in (None, "none", "gzip"):
-            raise ValueError(f"unsupported compression {compression!r} (use gzip or none)")
+        cert: tuple[str, str] | None = None
+        if client_certificate_file and client_key_file:
+            cert = (client_certificate_file, client_key_file)
+        super().__init__(
+            endpoint=url,
+            _transport=Urllib3HTTPTransport(verify=certificate_file or True, cert=cert),
+            headers={"user-agent": USER_AGENT, **(headers or {})},
+            timeout=timeout_s,
+            compression=otlp_http.Compression.from_str(compression or "none"),
+        )
         self.url = url
         self.timeout_s = timeout_s
-        self._host = parts.hostname
-        self._port = parts.port  # raises ValueError when out of range
-        self._tls = parts.scheme == "https"
-        self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        self._gzip = compression == "gzip"
-        self._ssl = ssl.create_default_context(cafile=certificate_file) if self._tls else None
-        self._headers = {
-            "Content-Type": "application/x-protobuf",
-            "User-Agent": f"tracejoin/{tracejoin.__version__}",
-            **(headers or {}),
-        }
-        if self._gzip:
-            self._headers["Content-Encoding"] = "gzip"
-        self._conn: http.client.HTTPConnection | None = None
-        self._lock = threading.Lock()  # guards _conn between export and shutdown
-        self._closed = False
 
-    def _connection(self, timeout: float) -> tuple[http.client.HTTPConnection, bool]:
-        """The kept-alive connection (and True), or a new one (and False)."""
-        with self._lock:
-            conn = self._conn
-            reused = conn is not None and conn.sock is not None
-            if conn is None:
-                if self._tls:
-                    conn = http.client.HTTPSConnection(
-                        self._host, self._port, timeout=timeout, context=self._ssl
-                    )
-                else:
-                    conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
-                self._conn = conn
-        conn.timeout = timeout
-        if conn.sock is not None:
-            conn.sock.settimeout(timeout)
-        return conn, reused
-
-    def _drop_connection(self) -> None:
-        with self._lock:
-            conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
-
-    def export(self, spans: Sequence[Span], timeout_s: float | None = None) -> ExportResult:
-        if self._closed:
+    # The package's transport with our encoder: it takes model.Span, not the SDK's ReadableSpan
+    # (tracejoin's SpanExporter protocol, base.py), so the override is deliberately not Liskov.
+    def export(  # type: ignore[override]
+        self, spans: Sequence[Span], timeout_s: float | None = None
+    ) -> ExportResult:
+        """Not the SDK's export(ReadableSpan): tracejoin's SpanExporter protocol (base.py)."""
+        if self._shutdown:
             return ExportResult.fail("exporter is shut down")
         if not spans:
             return ExportResult.SUCCESS
-        timeout = max(
-            self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s), 0.001
-        )
         body = encode_request_bytes(spans)
-        if self._gzip:
-            body = gzip.compress(body, compresslevel=5)
-        deadline = time.monotonic() + timeout
-        for _ in range(2):
-            conn, reused = self._connection(max(deadline - time.monotonic(), 0.001))
-            try:
-                conn.request("POST", self._path, body, self._headers)
-                resp = conn.getresponse()
-                data = resp.read()
-            except _STALE_CONNECTION as err:
-                self._drop_connection()
-                if reused and not self._closed and time.monotonic() < deadline:
-                    continue
-                return ExportResult.retry(f"POST {self.url}: {err!r}")
-            except (OSError, http.client.HTTPException) as err:  # refused, timed out, reset
-                self._drop_connection()
-                if self._closed:
-                    return ExportResult.fail("exporter is shut down")
-                return ExportResult.retry(f"POST {self.url}: {err!r}")
-            return self._result(resp, data)
-        return ExportResult.retry(f"POST {self.url}: connection closed")  # not reached
+        if _is_request_too_large(body, self._max_request_size):
+            return ExportResult.fail(f"request of {len(body)} bytes is over max_request_size")
+        timeout = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
+        client = self._client
+        result = client._submit(client._compress(body), max(timeout, 0.001))
+        if result.status_code is None:  # no response: refused, reset, timed out, TLS
+            if self._shutdown:
+                return ExportResult.fail("exporter is shut down")
+            detail = f"POST {self.url}: {result.error!r}"
+            # The transport does not count a read timeout as a connection error; for OTLP it is
+            # retryable all the same (gRPC's DEADLINE_EXCEEDED).
+            if client._transport.is_connection_error(result.error) or isinstance(
+                result.error, urllib3.exceptions.TimeoutError
+            ):
+                return ExportResult.retry(detail)
+            return ExportResult.fail(detail)
+        return self._outcome(result)
 
-    def _result(self, resp: http.client.HTTPResponse, data: bytes) -> ExportResult:
-        if 200 <= resp.status < 300:
-            rejected, message = 0, ""
-            if data and "protobuf" in (resp.getheader("Content-Type") or ""):
-                with contextlib.suppress(Exception):  # a body we cannot read is still a success
-                    partial = ExportTraceServiceResponse.FromString(data).partial_success
-                    rejected, message = partial.rejected_spans, partial.error_message
-            if rejected:
-                return ExportResult(ExportStatus.SUCCESS, rejected_spans=rejected, detail=message)
+    def _outcome(self, result: BaseHTTPResult) -> ExportResult:
+        status = result.status_code or 0
+        if 200 <= status < 300:
+            partial = None
+            with contextlib.suppress(Exception):  # a body we cannot read is still a success
+                if "protobuf" in result.headers().get("content-type", ""):
+                    body = ExportTraceServiceResponse.FromString(result.content())
+                    partial = body.partial_success
+            if partial is not None and partial.rejected_spans:
+                return ExportResult(
+                    ExportStatus.SUCCESS, rejected_spans=partial.rejected_spans,
+                    detail=partial.error_message,
+                )  # fmt: skip
             return ExportResult.SUCCESS
-        detail = f"POST {self.url}: HTTP {resp.status} {resp.reason}"
-        if resp.status in _RETRYABLE_STATUS:
-            return ExportResult.retry(detail, parse_retry_after(resp.getheader("Retry-After")))
+        detail = f"POST {self.url}: HTTP {status} {result.reason or ''}".rstrip()
+        if otlp_http._is_retryable(status):
+            return ExportResult.retry(detail, otlp_http._extract_retry_after(result))
         return ExportResult.fail(detail)
 
     def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with self._lock:
-            conn, self._conn = self._conn, None
-        if conn is not None and conn.sock is not None:
-            # shutdown() wakes a recv blocked in the export thread; close() alone would not.
-            with contextlib.suppress(OSError):
-                conn.sock.shutdown(socket.SHUT_RDWR)
-        if conn is not None:
-            conn.close()
+        if not self._shutdown:  # the package logs a warning on a second call; ours is idempotent
+            super().shutdown()
 
     def __repr__(self) -> str:
         return f"OtlpHttpExporter({self.url!r})"

@@ -16,8 +16,10 @@ What goes where (docs/capture.md shows it in the UI):
 - Slices on one track must nest. Requests that overlap on one thread without nesting (an event
   loop serving several connections, pipelining) go to overflow tracks of the same process,
   named "<thread> (overlapping requests k)", tid = k * LANE_STRIDE + thread id.
-- "M" metadata events name each process (service name, executable) and thread (its comm from
-  /proc when it still exists) and sort GPU processes after the served ones.
+- "M" metadata events name each process (resource `service.name`, `process.executable.name`)
+  and thread (span attribute `thread.name` where the span has one) and sort GPU processes after
+  the served ones. Everything comes from the spans and histories given: nothing is read from
+  /proc here (the process may be gone by the time a span is written, or be another one).
 - GPU samples are "C" counter events in one process per GPU (pid GPU_PID_BASE + index): kernel
   active % and memory-controller busy % (NVML utilisation: share of time a kernel ran / memory
   was read or written -- not SM occupancy), and from each sampler tick memory used, power, SM
@@ -42,6 +44,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tracejoin.core.files import open_private
 from tracejoin.core.gpu import DeviceHistory
 from tracejoin.core.model import KIND_SERVER, STATUS_ERROR, STATUS_OK, Span
 from tracejoin.exporters.base import ExportResult
@@ -69,28 +72,20 @@ def _us(ns: int) -> float:
     return round(ns / 1000, 3)
 
 
-def _arg(value: object) -> object:
-    return value if isinstance(value, str | int | float | bool) else str(value)
-
-
 def _int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _comm(pid: int, tid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip() or None
-    except OSError:
-        return None
+def _arg(value: object) -> object:
+    return value if isinstance(value, str | int | float | bool) else str(value)
 
 
 class TraceEventEncoder:
     """Turns spans and GPU histories into trace events, keeping the track state (lanes, names
     already emitted, GPU samples already written) between calls. Not thread-safe by itself."""
 
-    def __init__(self, origin_ns: int, *, thread_names: bool = True) -> None:
+    def __init__(self, origin_ns: int) -> None:
         self.origin_ns = origin_ns
-        self._thread_names = thread_names
         self._named_processes: set[int] = set()
         self._named_threads: set[tuple[int, int]] = set()
         # (pid, tid) -> per lane, the latest end (ns) of a slice placed on it
@@ -128,7 +123,7 @@ class TraceEventEncoder:
             lane = len(lanes) - 1
         lanes[lane] = max(lanes[lane], span.end_ns)
         track = tid + lane * LANE_STRIDE
-        self._name_thread(pid, tid, lane, out)
+        self._name_thread(pid, tid, lane, span, out)
         self._span_tracks[span.span_id] = (pid, track)
         if len(self._span_tracks) > _SPAN_TRACK_MEMORY:
             self._span_tracks.popitem(last=False)
@@ -155,12 +150,14 @@ class TraceEventEncoder:
         out.append(_meta("process_name", pid, pid, {"name": name}))
         out.append(_meta("process_sort_index", pid, pid, {"sort_index": 0}))
 
-    def _name_thread(self, pid: int, tid: int, lane: int, out: list[dict[str, Any]]) -> None:
+    def _name_thread(
+        self, pid: int, tid: int, lane: int, span: Span, out: list[dict[str, Any]]
+    ) -> None:
         if (pid, tid + lane * LANE_STRIDE) in self._named_threads:
             return
         self._named_threads.add((pid, tid + lane * LANE_STRIDE))
-        comm = _comm(pid, tid) if self._thread_names else None
-        name = f"{comm} {tid}" if comm else f"thread {tid}"
+        comm = span.attributes.get("thread.name")
+        name = f"{comm} {tid}" if isinstance(comm, str) and comm else f"thread {tid}"
         if lane:
             name += f" (overlapping requests {lane})"
         track = tid + lane * LANE_STRIDE
@@ -273,14 +270,12 @@ def trace_document(
     spans: Iterable[Span],
     histories: Iterable[DeviceHistory] = (),
     origin_ns: int | None = None,
-    *,
-    thread_names: bool = True,
 ) -> dict[str, Any]:
     """The whole trace-event document in memory. origin_ns None: the earliest span start."""
     spans = list(spans)
     if origin_ns is None:
         origin_ns = min((s.start_ns for s in spans), default=time.time_ns())
-    enc = TraceEventEncoder(origin_ns, thread_names=thread_names)
+    enc = TraceEventEncoder(origin_ns)
     events = enc.span_events(spans) + enc.gpu_events(histories)
     return {
         "traceEvents": events,
@@ -304,13 +299,12 @@ class PerfettoTraceWriter:
         origin_ns: int | None = None,
         *,
         close_on_shutdown: bool = True,
-        thread_names: bool = True,
     ) -> None:
         self.path = Path(path)
         self.partial = self.path.with_name(self.path.name + ".partial")
         self.origin_ns = origin_ns if origin_ns is not None else time.time_ns()
         self.close_on_shutdown = close_on_shutdown
-        self._enc = TraceEventEncoder(self.origin_ns, thread_names=thread_names)
+        self._enc = TraceEventEncoder(self.origin_ns)
         self._lock = threading.Lock()
         self._file: Any = None
         self._first = True
@@ -321,7 +315,7 @@ class PerfettoTraceWriter:
     def _write(self, events: list[dict[str, Any]]) -> None:
         """Append events; the caller holds the lock."""
         if self._file is None:
-            self._file = open(self.partial, "w", encoding="utf-8", errors="replace")  # noqa: SIM115
+            self._file = open_private(self.partial, "w", errors="replace")  # 0600, no symlinks
             self._file.write('{"traceEvents":[\n')
         if not events:
             return

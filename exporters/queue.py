@@ -6,11 +6,24 @@ Every span given to `submit` ends up in exactly one of these counters:
   spans_dropped{reason="export_failed"}    permanent failure, or retries/elapsed time used up
   spans_dropped{reason="rejected"}         accepted request, span refused (OTLP partial success)
   spans_dropped{reason="shutdown"}         still queued or in flight when shutdown's deadline came,
-                                           or submitted after shutdown began
-plus export_retries (re-sent batches) and export_failures (batches given up on). With `name`
-set, every series also carries exporter=<name>, so a fanout's destinations stay apart.
+                                           in a batch whose next retry would come after it, or
+                                           submitted after shutdown began
+plus export_retries (re-sent batches) and export_failures (batches given up on). Every series
+carries exporter=<name>, so a fanout's destinations stay apart; all of them start at 0 when the
+queue is made (tracejoin.core.metrics declares the names, labels and reasons).
+
+Each count is made under the queue's lock, and whichever of the worker and shutdown() comes
+first counts a batch, so once shutdown() returns: submitted == exported + dropped, exactly.
 
 Memory is bounded: at most max_queue_spans queued plus one batch (max_batch) in flight.
+
+Retries happen here and only here. The OTLP package's exporters would retry inside export()
+(backoff up to their 10 s timeout, 6 attempts); ours make one attempt per call, so a failure
+is never retried twice over. The queue is the right place because it alone knows the shutdown
+deadline (a retry that cannot finish before it is not started), it counts every retry
+(export_retries) and every given-up batch, it applies one policy to every destination (the
+file included), and its window (max_elapsed_s, 60 s, backoff capped at 8 s) outlasts a collector
+restart, which the package's 10 s does not.
 """
 
 from __future__ import annotations
@@ -48,7 +61,7 @@ class BatchExportQueue:
         initial_backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
         max_elapsed_s: float = 60.0,
-        name: str | None = None,
+        name: str,
         rng: random.Random | None = None,
     ) -> None:
         if max_queue_spans < 1 or max_batch < 1:
@@ -63,7 +76,7 @@ class BatchExportQueue:
         self.initial_backoff_s = initial_backoff_s
         self.max_backoff_s = max_backoff_s
         self.max_elapsed_s = max_elapsed_s
-        self._labels = {"exporter": name} if name else {}
+        self._labels = {"exporter": name}
         self._rng = rng or random.Random()
 
         self._cond = threading.Condition(threading.Lock())
@@ -77,11 +90,8 @@ class BatchExportQueue:
         self._finished = False
         self._thread: threading.Thread | None = None
         self._failing = False  # for logging state changes only, not every failed batch
-
-        metrics.describe(EXPORTED, "Spans the destination accepted.")
-        metrics.describe(DROPPED, "Spans lost after the kernel handed them over, by reason.")
-        metrics.describe(RETRIES, "Export attempts repeated after a retryable failure.")
-        metrics.describe(FAILURES, "Batches given up on (permanent failure or retries used up).")
+        for metric in (EXPORTED, DROPPED, RETRIES, FAILURES):
+            metrics.declare(metric, exporter=name)
 
     # -- producer side ---------------------------------------------------------------------
 
@@ -94,7 +104,7 @@ class BatchExportQueue:
                     self._cond.notify_all()
                 return True
             reason = "queue_full" if self._accepting else "shutdown"
-        self.metrics.inc(DROPPED, 1, reason=reason, **self._labels)
+            self.metrics.inc(DROPPED, 1, reason=reason, **self._labels)
         return False
 
     def __len__(self) -> int:
@@ -161,8 +171,9 @@ class BatchExportQueue:
             self._queue.clear()
             self._inflight = None
             self._cond.notify_all()
+            if left:
+                self.metrics.inc(DROPPED, left, reason="shutdown", **self._labels)
         if left:
-            self.metrics.inc(DROPPED, left, reason="shutdown", **self._labels)
             log.warning("export%s: shutdown dropped %d spans", self._label_text(), left)
         # The exporter's own shutdown is bounded by the same deadline.
         closer = threading.Thread(target=self._close_exporter, name="tracejoin-export-close")
@@ -220,7 +231,8 @@ class BatchExportQueue:
             if self._deadline is not None:
                 timeout = self._deadline - time.monotonic()
                 if timeout <= 0:
-                    return  # out of shutdown time; shutdown counts the batch
+                    self._settle_shutdown(batch)
+                    return
             try:
                 result = self.exporter.export(batch, timeout_s=timeout)
             except Exception as err:  # a bug would fail the same way again: do not retry
@@ -237,7 +249,11 @@ class BatchExportQueue:
                 self._settle(batch, result)
                 return
             if not self._pause(delay):
-                return  # the shutdown deadline comes first; shutdown counts the batch
+                # The retry would land after the shutdown deadline. Count the batch now: the
+                # worker goes on to give the batches queued behind it one attempt each, and
+                # that would otherwise overwrite _inflight and lose this one (issue 18, #5).
+                self._settle_shutdown(batch)
+                return
             attempt += 1
             self.metrics.inc(RETRIES, 1, **self._labels)
 
@@ -265,28 +281,42 @@ class BatchExportQueue:
 
     def _settle(self, batch: list[Span], result: ExportResult) -> None:
         """Count a batch's outcome once, unless shutdown has already counted it."""
+        n = len(batch)
+        # Counted under the lock that shutdown takes to count what is left: whichever side
+        # comes first counts the batch, and shutdown() never returns with a count pending.
+        # Only the batch in flight is counted, and only once.
         with self._cond:
-            if self._abandoned:
+            if self._abandoned or self._inflight is not batch:
                 return
             self._inflight = None
             self._cond.notify_all()
-        n = len(batch)
+            if result.ok:
+                rejected = min(result.rejected_spans, n)
+                self.metrics.inc(EXPORTED, n - rejected, **self._labels)
+                if rejected:
+                    self.metrics.inc(DROPPED, rejected, reason="rejected", **self._labels)
+            else:
+                self.metrics.inc(FAILURES, 1, **self._labels)
+                self.metrics.inc(DROPPED, n, reason="export_failed", **self._labels)
         if result.ok:
-            rejected = min(result.rejected_spans, n)
-            self.metrics.inc(EXPORTED, n - rejected, **self._labels)
-            if rejected:
-                self.metrics.inc(DROPPED, rejected, reason="rejected", **self._labels)
             if self._failing:
                 self._failing = False
                 log.info("export%s: recovered", self._label_text())
             return
-        self.metrics.inc(FAILURES, 1, **self._labels)
-        self.metrics.inc(DROPPED, n, reason="export_failed", **self._labels)
         if not self._failing:  # log when the destination goes bad, not for every batch after
             self._failing = True
             log.warning(
                 "export%s: dropped %d spans: %s", self._label_text(), n, result.detail or result
             )
+
+    def _settle_shutdown(self, batch: list[Span]) -> None:
+        """The batch cannot be sent before the shutdown deadline: count it as dropped."""
+        with self._cond:
+            if self._abandoned or self._inflight is not batch:
+                return
+            self._inflight = None
+            self._cond.notify_all()
+            self.metrics.inc(DROPPED, len(batch), reason="shutdown", **self._labels)
 
     def _label_text(self) -> str:
         return f"[{self.name}]" if self.name else ""

@@ -11,6 +11,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# The tests start agents with subprocess.Popen(preexec_fn=...), which forks this (threaded)
+# process with its atfork handlers; gRPC's (loaded here by the exporter tests) can then abort
+# the child before it execs ("Epoll1Poller ... epoll_wait error: Bad file descriptor"). The
+# agent never forks; only the test process needs gRPC's fork support off, before grpc loads.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 from jaeger import Jaeger, JaegerError, find_binary, free_port, missing_binary_message
 
 __all__ = ["free_port", "privileged_missing"]
@@ -92,7 +99,7 @@ def agent(jaeger: Jaeger) -> Iterator[object]:
         pytest.skip(reason)
     from harness import Agent, free_ports
 
-    a = Agent(free_ports(24), "http://" + jaeger.otlp_grpc_endpoint)
+    a = Agent(free_ports(64), "http://" + jaeger.otlp_grpc_endpoint)  # one per take_port()
     a.start()
     yield a
     a.shutdown()

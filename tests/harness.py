@@ -7,6 +7,7 @@ real Jaeger. Servers run as separate processes on ports from the agent's port fi
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import socket
@@ -30,6 +31,7 @@ from tracejoin.pipeline.stages import Pipeline
 
 HERE = Path(__file__).parent
 PYSERVER = HERE / "servers" / "pyserver.py"
+NODESERVER = HERE / "servers" / "nodeserver.js"
 GOSERVER_SRC = HERE / "servers" / "goserver"
 CACHE = Path(os.environ.get("TRACEJOIN_CACHE", "/var/cache/tracejoin"))
 
@@ -132,9 +134,13 @@ def server(
     cpu: int | None = None,
     comm: str | None = None,
 ) -> Iterator[subprocess.Popen[str]]:
-    """Start a test server and wait for its "ready" line and its port to accept. `comm` runs
-    the Go server under that process name (through a symlink of that name)."""
-    if mode == "go":
+    """Start a test server and wait for its "ready" line and its port to accept. `mode` is a
+    tests/servers/pyserver.py mode, "go" (tests/servers/goserver) or "node"
+    (tests/servers/nodeserver.js). `comm` runs the Go server under that process name (through a
+    symlink of that name)."""
+    if mode == "node":
+        cmd = ["node", str(NODESERVER), str(port)]
+    elif mode == "go":
         binary = go_server_binary()
         if comm:
             link = CACHE / comm
@@ -180,10 +186,11 @@ _go_lock = threading.Lock()
 
 def go_server_binary() -> Path:
     """The Go net/http test server, built once and cached (stdlib only: no downloads)."""
-    out = CACHE / "tj-goserver"
     src = GOSERVER_SRC / "main.go"
+    # named by its source: worktrees that share the cache must not run each other's server
+    out = CACHE / f"tj-goserver-{hashlib.sha256(src.read_bytes()).hexdigest()[:12]}"
     with _go_lock:
-        if not out.exists() or out.stat().st_mtime < src.stat().st_mtime:
+        if not out.exists():
             CACHE.mkdir(parents=True, exist_ok=True)
             subprocess.run(["go", "build", "-o", str(out), "."], cwd=GOSERVER_SRC, check=True)
     return out

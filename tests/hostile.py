@@ -12,17 +12,18 @@ Everything speaks plain sockets, so the bytes on the wire are exactly what a tes
   the HTTP/2 preface, TLS ClientHellos, fake requests inside bodies, invalid traceparents and
   pipelined floods, interleaved with valid requests.
 - `Blackhole`: a TCP listener that accepts and never reads or answers.
-- `AgentProcess`: `tracejoin run` as a subprocess (ready, /metrics, CPU time, RSS, signals) and
-  `bpf_object_ids` (the BPF programs and maps a process holds, from /proc/<pid>/fdinfo).
+- `AgentProcess`: `tracejoin run` as a subprocess (ready, /metrics, CPU time, RSS, signals),
+  `bpf_object_ids` (the BPF programs and maps a process holds, from /proc/<pid>/fdinfo) and
+  `wait_bpf_released` (after it exits, all of them gone; the one kernel race excused, loudly).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import random
-import re
 import signal
 import socket
 import struct
@@ -35,6 +36,8 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 VALID = "valid"
 OWN = "own"
@@ -538,45 +541,65 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
-_METRIC = re.compile(r"^(\w+)(?:\{(.*)\})?\s+(\S+)$")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
 def parse_prometheus(text: str, prefix: str = "tracejoin_") -> dict[tuple[str, frozenset], float]:
+    """/metrics through prometheus_client's parser, series keyed by the names tracejoin uses:
+    without the prefix and without the `_total` prometheus_client gives counters."""
     out: dict[tuple[str, frozenset], float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _METRIC.match(line)
-        if not m:
-            continue
-        # counters carry the OpenMetrics `_total` suffix; series are keyed without it
-        name = m.group(1).removeprefix(prefix).removesuffix("_total")
-        labels = frozenset(_LABEL.findall(m.group(2) or ""))
-        out[(name, labels)] = float(m.group(3))
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.removeprefix(prefix).removesuffix("_total")
+            out[(name, frozenset(sample.labels.items()))] = sample.value
     return out
 
 
 class Scrape:
-    """One /metrics answer: `get` one series, `total` a counter over label sets."""
+    """One /metrics answer: `get` one series, `total` a counter over label sets.
+
+    Strict about names: asking for a family /metrics does not serve is an AssertionError, never
+    a 0, so `get("renamed_counter") == 0` cannot pass by accident. Every counter the tests
+    compare with zero is declared at zero from the first scrape (`tracejoin.core.metrics`). A label
+    set not (yet) served within a family that is there reads 0, as in Prometheus."""
 
     def __init__(self, series: dict[tuple[str, frozenset], float]) -> None:
         self.series = series
 
+    def _family(self, name: str) -> dict[frozenset, float]:
+        fam = {ls: v for (n, ls), v in self.series.items() if n == name}
+        assert fam, f"/metrics serves no tracejoin_{name}: {sorted({n for n, _ in self.series})}"
+        return fam
+
     def get(self, name: str, **labels: str) -> float:
-        return self.series.get((name, frozenset(labels.items())), 0.0)
+        return self._family(name).get(frozenset(labels.items()), 0.0)
 
     def total(self, name: str, **match: str) -> float:
         want = set(match.items())
-        return sum(v for (n, ls), v in self.series.items() if n == name and want <= set(ls))
+        hits = [v for ls, v in self._family(name).items() if want <= set(ls)]
+        assert hits, f"tracejoin_{name} has no series with {match}"
+        return sum(hits)
 
     def by_label(self, name: str, label: str) -> dict[str, float]:
         out: dict[str, float] = {}
-        for (n, ls), v in self.series.items():
-            if n == name:
-                key = dict(ls).get(label, "")
-                out[key] = out.get(key, 0.0) + v
+        for ls, v in self._family(name).items():
+            key = dict(ls).get(label, "")
+            out[key] = out.get(key, 0.0) + v
         return out
+
+
+# The shutdown guarantee of `tracejoin run` (docs/operations.md, docs/reliability.md): from
+# SIGTERM, the process is gone within --shutdown-timeout + 1 s; at that point its watchdog
+# exits hard (code 3), whatever a destination or the interpreter is doing.
+SIGTERM_GRACE_S = 1.0
+# What the tests allow on top. This host has 2 cores shared with other test runs compiling BPF:
+# a thread can wait about a second for a CPU (the watchdog's wake-up included) and the
+# kernel frees the agent's programs and maps at exit on the same CPUs. 2 s is that worst case
+# twice over. A real regression (a flush that ignores the deadline, a watchdog that never
+# fires) overshoots by far more: the export timeout alone is 10 s.
+LOADED_HOST_SLACK_S = 2.0
+
+
+def sigterm_bound_s(shutdown_timeout_s: float) -> float:
+    """Seconds from SIGTERM within which `tracejoin run --shutdown-timeout X` must be gone."""
+    return shutdown_timeout_s + SIGTERM_GRACE_S + LOADED_HOST_SLACK_S
 
 
 class AgentProcess:
@@ -728,26 +751,53 @@ def bpf_object_ids(pid: int) -> tuple[set[int], set[int]]:
     return progs, maps
 
 
+@dataclass(frozen=True)
+class BpfObject:
+    """One BPF program or map as `bpftool ... show -j` lists it."""
+
+    kind: str  # "prog" or "map"
+    id: int
+    name: str
+    type: str
+    map_ids: tuple[int, ...] = ()  # programs: the maps they use (and so keep loaded)
+    pids: tuple[str, ...] = ()  # bpftool's own holder list, where it is built with it
+    pinned: tuple[str, ...] = ()  # bpffs paths that keep it loaded
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.id} {self.name!r} ({self.type})"
+
+
+def _bpftool_show(kind: str) -> dict[int, BpfObject]:
+    out = subprocess.run(
+        ["bpftool", "-f", kind, "show", "-j"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+    return {
+        int(o["id"]): BpfObject(
+            kind,
+            int(o["id"]),
+            str(o.get("name", "")),
+            str(o.get("type", "")),
+            tuple(int(m) for m in o.get("map_ids", [])),
+            tuple(f"{p.get('pid')} {p.get('comm')}" for p in o.get("pids", [])),
+            tuple(o.get("pinned", [])),
+        )
+        for o in json.loads(out or "[]")
+    }
+
+
+def loaded_bpf_objects() -> tuple[dict[int, BpfObject], dict[int, BpfObject]]:
+    """Every BPF program and map loaded on the host now: ({id: program}, {id: map})."""
+    return _bpftool_show("prog"), _bpftool_show("map")
+
+
 def loaded_bpf_ids() -> tuple[dict[int, str], dict[int, str]]:
     """Every BPF program and map loaded on the host now: ({id: name}, {id: name})."""
-    import json
-
-    progs = json.loads(
-        subprocess.run(
-            ["bpftool", "prog", "show", "-j"], check=True, capture_output=True, text=True
-        ).stdout
-        or "[]"
-    )
-    maps = json.loads(
-        subprocess.run(
-            ["bpftool", "map", "show", "-j"], check=True, capture_output=True, text=True
-        ).stdout
-        or "[]"
-    )
-    return (
-        {int(p["id"]): str(p.get("name", "")) for p in progs},
-        {int(m["id"]): str(m.get("name", "")) for m in maps},
-    )
+    progs, maps = loaded_bpf_objects()
+    return {i: o.name for i, o in progs.items()}, {i: o.name for i, o in maps.items()}
 
 
 def bpf_holders(progs: set[int], maps: set[int]) -> dict[str, list[str]]:
@@ -774,3 +824,62 @@ def bpf_holders(progs: set[int], maps: set[int]) -> dict[str, list[str]]:
                 if name:
                     out.setdefault(name, []).append(f"{proc.name} {comm}")
     return out
+
+
+# The one leftover a test may excuse (docs/reliability.md, Known gaps): bpf/http.c's 2-entry
+# prog_array `progs`, which a kernel race can keep loaded when another process opens it by id
+# (`bpftool map show` does, for every map) as the agent's last descriptor to it closes.
+RACE_MAP = ("progs", "prog_array")
+# Someone else's `bpftool` may hold a leftover for a moment: wait this much longer for it.
+HOLDER_GRACE_S = 10.0
+
+
+def wait_bpf_released(
+    progs: set[int], maps: set[int], label: str, timeout_s: float = 15.0, settle_s: float = 1.0
+) -> tuple[float, set[int]]:
+    """After the agent exited: wait until none of these programs and maps is loaded; (seconds
+    from the exit, ids of the maps excused).
+
+    The first look comes `settle_s` after the exit: listing maps opens each by id, and doing
+    that while the prog_array is being released is what triggers the kernel race. After
+    `timeout_s`, anything still loaded fails the test, except a map that is exactly RACE_MAP,
+    once every program is gone, held by no process (/proc/*/fdinfo, bpftool's pid list), not
+    pinned and used by no loaded program. Each excuse is printed (shown by `pytest -rA` or `-s`)."""
+    time.sleep(settle_s)
+    t0 = time.monotonic()
+    holders: dict[str, list[str]] = {}
+    while True:
+        loaded_p, loaded_m = loaded_bpf_objects()
+        left_p = {loaded_p[i] for i in progs & loaded_p.keys()}
+        left_m = {loaded_m[i] for i in maps & loaded_m.keys()}
+        if not left_p and not left_m:
+            return settle_s + time.monotonic() - t0, set()
+        waited = time.monotonic() - t0
+        if waited > timeout_s:
+            holders = bpf_holders({o.id for o in left_p}, {o.id for o in left_m})
+            for o in left_p | left_m:
+                if o.pids or o.pinned:
+                    held = [*o.pids, *(f"pinned at {p}" for p in o.pinned)]
+                    holders.setdefault(f"{o.kind} {o.id}", []).extend(held)
+            for p in loaded_p.values():
+                for m in left_m:
+                    if m.id in p.map_ids:
+                        holders.setdefault(f"map {m.id}", []).append(f"loaded {p}")
+            if not holders or waited > timeout_s + HOLDER_GRACE_S:
+                break
+        time.sleep(0.2)
+    left = sorted(left_p | left_m, key=str)
+    assert not left_p, f"{label}: still loaded {waited:.0f} s after exit: {[str(o) for o in left]}"
+    race = {m for m in left_m if (m.name, m.type) == RACE_MAP and not holders.get(f"map {m.id}")}
+    assert race == left_m, (
+        f"{label}: still loaded {waited:.0f} s after exit: {[str(o) for o in left]}; "
+        f"holders {holders or 'none'}"
+    )
+    for m in sorted(race, key=lambda o: o.id):
+        print(
+            f"[bpf-leak excused] {label}: {m} still loaded {settle_s + waited:.0f} s after exit, "
+            "its programs gone, held by no process, pin or program: the kernel's prog_array "
+            "release race (docs/reliability.md, Known gaps)",
+            flush=True,
+        )
+    return settle_s + waited, {m.id for m in race}

@@ -524,6 +524,8 @@ def test_otlp_json_file_parses_into_protobuf_with_the_spans(inproc: InProcessCap
         assert s.parent_span_id.hex() == inproc.traffic.parents[tid]
         assert s.end_time_unix_nano > s.start_time_unix_nano > 0
         assert attr(s, "server.port") == inproc.port
+    for name in ("GET /error", "GET /sleep"):  # so the checks by name below see every one
+        assert {by_trace[t].name for t in inproc.traffic.ids[name]} == {name}
     for s, res in servers:
         assert res["process.pid"] == {"intValue": str(inproc.server_pid)}
         if s.name == "GET /error":
@@ -827,7 +829,7 @@ def test_perfetto_document_tracks_children_and_overlaps() -> None:
         resource=res,
         attributes={"thread.id": 4243},
     )
-    doc = trace_document([*spans, overlap], origin_ns=T0, thread_names=False)
+    doc = trace_document([*spans, overlap], origin_ns=T0)
     ev = check_trace_events(doc)
     x = {e["args"]["span_id"]: e for e in ev["X"]}
     first = x[f"{100:016x}"]
@@ -854,7 +856,7 @@ def test_perfetto_gpu_counters_and_streaming_writer(tmp_path: Path) -> None:
         h.memory_busy.append(T0 + i * 100 * MS, i / 20)
         h.state.append(T0 + i * 100 * MS, DeviceState(memory_used=2 * 1024**3, power_w=100.0 + i))
     path = tmp_path / "trace.perfetto.json"
-    w = PerfettoTraceWriter(path, T0, close_on_shutdown=False, thread_names=False)
+    w = PerfettoTraceWriter(path, T0, close_on_shutdown=False)
     spans = _spans(2)
     assert w.export(spans[:1]).ok  # a child arriving in a later batch keeps its parent's track
     assert w.export(spans[1:]).ok

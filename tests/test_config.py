@@ -243,6 +243,28 @@ def test_traces_specific_otel_variables_beat_the_file(tmp_path: Path) -> None:
         assert effective_url(flagged) == "http://flag:4318/v1/traces"
 
 
+@pytest.mark.parametrize(
+    ("key", "file_value", "variable", "flag"),
+    [
+        ("otlp_endpoint", "http://from-file:4318", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+         ["--otlp-endpoint", "http://flag:4318"]),
+        ("otlp_protocol", "http/protobuf", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+         ["--otlp-protocol", "grpc"]),
+    ],
+)  # fmt: skip
+def test_a_file_value_yields_to_the_traces_specific_variable_only(
+    tmp_path: Path, key: str, file_value: str, variable: str, flag: list[str]
+) -> None:
+    """The exporter reads the OTEL_* variables itself, so the setting is left unset for it;
+    a flag still wins, and a blank variable does not count."""
+    cfg = write(tmp_path, f"{key}: {file_value}\n")
+    assert getattr(settings(["--config", str(cfg)]), key) == file_value
+    assert getattr(settings(["--config", str(cfg)], {variable: "grpc"}), key) is None
+    assert getattr(settings(["--config", str(cfg)], {variable: " "}), key) == file_value
+    assert getattr(settings(["--config", str(cfg), *flag], {variable: "grpc"}), key) == flag[1]
+    assert BY_KEY[key].file_yields_to == variable
+
+
 def test_standard_otel_variables() -> None:
     s = settings(
         [],

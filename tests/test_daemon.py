@@ -31,10 +31,15 @@ from typing import Any
 
 import pytest
 from harness import free_ports, new_traceparent, server
+from hostile import sigterm_bound_s, wait_bpf_released
 from jaeger import Jaeger, parent_span_id, span_service, span_tags, trace_ids_equal
+from prometheus_client.parser import text_string_to_metric_families
 from tracejoin.commands.health import HealthServer
-from tracejoin.commands.run import declare_metrics, final_counters
-from tracejoin.core.metrics import Metrics
+from tracejoin.commands.run import final_counters
+from tracejoin.core.metrics import METRICS, Metrics
+from tracejoin.enrich.gpu_sampler import probe_nvml
+from tracejoin.exporters.base import InMemoryExporter
+from tracejoin.exporters.queue import BatchExportQueue
 
 TRACEJOIN = Path(sys.executable).parent / "tracejoin"
 PRIVILEGED = (pytest.mark.privileged, pytest.mark.e2e)
@@ -69,61 +74,47 @@ class Family:
         return sum(self.samples.values())
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
 def parse_prometheus(text: str) -> dict[str, Family]:
-    """The text exposition format, strictly: every sample belongs to a family with a TYPE."""
+    """/metrics through prometheus_client's parser, keyed by the names as served (a counter's
+    with `_total`); every family has a TYPE and no series appears twice."""
     families: dict[str, Family] = {}
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            name, _, help_text = line[7:].partition(" ")
-            families.setdefault(name, Family()).help = help_text
-        elif line.startswith("# TYPE "):
-            name, _, kind = line[7:].partition(" ")
-            families.setdefault(name, Family()).kind = kind
-        elif line:
-            m = _SAMPLE.match(line)
-            assert m, f"not a sample line: {line!r}"
-            name, labels, value = m.groups()
-            assert name in families and families[name].kind, f"{name} has no TYPE line"
-            key = frozenset(_LABEL.findall(labels or ""))
-            assert key not in families[name].samples, f"duplicate series {line!r}"
-            families[name].samples[key] = float(value)
+    for fam in text_string_to_metric_families(text):
+        assert fam.type in ("counter", "gauge"), f"{fam.name}: no TYPE, or an unexpected one"
+        name = fam.name + "_total" if fam.type == "counter" else fam.name
+        assert name not in families, f"{name} twice"
+        out = families[name] = Family(fam.type, fam.documentation)
+        for sample in fam.samples:
+            assert sample.name == name, f"{sample.name}: a sample outside {name}"
+            key = frozenset(sample.labels.items())
+            assert key not in out.samples, f"duplicate series {sample}"
+            out.samples[key] = sample.value
     return families
 
 
 def test_prometheus_text_counters_gauges_and_escaping() -> None:
     m = Metrics()
-    m.describe("spans_exported", "Spans the destination accepted.")
     m.inc("spans_exported", 1_234_567, exporter="otlp")
     m.inc("spans_exported", 3, exporter="file")
-    m.inc("gpu_samples_total", 2, device="0")  # already named for Prometheus
-    m.describe("kernel_ringbuf_full", "Lost in the kernel.\nSecond line \\ here", kind="counter")
+    m.inc("gpu_samples", 2, device="0")
     m.set("kernel_ringbuf_full", 7)
     m.set("ready", 1)
     m.set("probe_load_seconds", 0.25)
-    m.inc("traceparent_rejected", 1, reason='we"ird\\')
+    m.inc("kubelet_errors", 1, reason='we"ird\\\n')
     text = m.prometheus_text()
     fam = parse_prometheus(text)
     assert fam["tracejoin_spans_exported_total"].kind == "counter"
     assert fam["tracejoin_spans_exported_total"].help == "Spans the destination accepted."
-    # exact, not 1.23457e+06
-    assert 'tracejoin_spans_exported_total{exporter="otlp"} 1234567\n' in text
+    assert fam["tracejoin_spans_exported_total"].get(exporter="otlp") == 1_234_567  # exact
     assert fam["tracejoin_spans_exported_total"].get(exporter="file") == 3
-    assert fam["tracejoin_gpu_samples_total"].get(device="0") == 2  # no _total_total
+    assert fam["tracejoin_gpu_samples_total"].get(device="0") == 2
     assert fam["tracejoin_kernel_ringbuf_full_total"].kind == "counter"  # set(), yet a counter
     assert fam["tracejoin_kernel_ringbuf_full_total"].get() == 7
-    assert fam["tracejoin_kernel_ringbuf_full_total"].help == (
-        "Lost in the kernel.\\nSecond line \\\\ here"
-    )
     assert fam["tracejoin_ready"].kind == "gauge" and fam["tracejoin_ready"].get() == 1
     assert fam["tracejoin_probe_load_seconds"].get() == 0.25
-    assert 'reason="we\\"ird\\\\"' in text
+    assert fam["tracejoin_kubelet_errors_total"].get(reason='we"ird\\\n') == 1
+    assert 'reason="we\\"ird\\\\\\n"' in text
     assert not [n for n, f in fam.items() if f.kind == "counter" and not n.endswith("_total")]
-    with pytest.raises(ValueError):
-        m.describe("x", "y", kind="histogram")
+    assert not [n for n in fam if n.endswith("_total_total")]
 
 
 class StubPipeline:
@@ -131,11 +122,11 @@ class StubPipeline:
         self._reader: threading.Thread | None = None
         self.kernel_reads = 0
 
-    def kernel_counters(self) -> dict[str, int]:
+    def refresh_metrics(self) -> None:
         self.kernel_reads += 1
         if self.kernel_reads > 1:
             raise OSError("maps closed under us")  # a scrape during shutdown
-        return {}
+        return None
 
     def alive(self) -> bool:
         return self._reader is None or self._reader.is_alive()
@@ -151,7 +142,8 @@ def _get(url: str) -> tuple[int, str]:
 
 def test_health_server_states_and_metrics() -> None:
     m = Metrics()
-    declare_metrics(m, ["otlp"])
+    m.set("build_info", 1, version="test")
+    BatchExportQueue(InMemoryExporter(), m, name="otlp")  # declares its series, unstarted
     pipe = StubPipeline()
     health = HealthServer("127.0.0.1", 0, m, pipe)  # type: ignore[arg-type]
     health.start()
@@ -173,9 +165,9 @@ def test_health_server_states_and_metrics() -> None:
         assert fam["tracejoin_spans_dropped_total"].get(exporter="otlp", reason="queue_full") == 0
         assert fam["tracejoin_export_retries_total"].get(exporter="otlp") == 0
         assert fam["tracejoin_kernel_ringbuf_full_total"].kind == "counter"
-        # (the pipeline and the export queues describe their own; the e2e test checks all)
-        for name in ("ready", "kernel_ringbuf_full_total", "build_info", "reader_errors_total"):
-            assert fam["tracejoin_" + name].help, name
+        # every declared metric, with its HELP, from the first scrape
+        assert set(fam) == {m.exposed for m in METRICS}
+        assert all(f.help for f in fam.values())
         # a scrape while the kernel maps go away still answers
         code, _ = _get(base + "/metrics")
         assert code == 200
@@ -350,38 +342,13 @@ def running_agent(
         agent.close()
 
 
-def _map_type(map_id: int) -> str:
-    out = subprocess.run(
-        ["bpftool", "map", "show", "id", str(map_id), "-j"], capture_output=True, text=True
-    )
-    try:
-        return str(json.loads(out.stdout).get("type", ""))
-    except ValueError:
-        return ""
-
-
 def assert_released(agent: AgentProcess, timeout_s: float = 5.0) -> None:
     """None of the programs or maps the agent held are still in the kernel (freeing is
-    asynchronous after the last descriptor closes: poll briefly)."""
+    asynchronous after the last descriptor closes: poll briefly). The one leftover excused is
+    the kernel's orphaned `progs` prog_array, by name and with no holder, and it is printed
+    (hostile.wait_bpf_released; docs/reliability.md, Known gaps)."""
     assert agent.seen_progs, "the agent was never seen holding a BPF program"
-    deadline = time.monotonic() + timeout_s
-    while True:
-        progs = agent.seen_progs & set(bpf_objects("prog"))
-        maps = agent.seen_maps & set(bpf_objects("map"))
-        if not progs and not maps:
-            return
-        if (
-            not progs
-            and all(_map_type(m) == "prog_array" for m in maps)
-            and (time.monotonic() > deadline)
-        ):
-            # A kernel race, not ours: a prog_array can outlive its last holder when another
-            # process walks the maps (bpftool, as this very check does) at the moment the agent
-            # exits (docs/reliability.md). Any other leftover fails.
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"left loaded after exit: programs {sorted(progs)}, maps {sorted(maps)}")
-        time.sleep(0.1)
+    wait_bpf_released(agent.seen_progs, agent.seen_maps, "tracejoin run", timeout_s)
 
 
 def request(port: int, path: str, tp: str | None) -> int:
@@ -419,7 +386,6 @@ def server_span(jaeger: Jaeger, trace_id: int) -> tuple[dict, dict]:
 
 
 SHUTDOWN_TIMEOUT = 3.0
-BOUND_SLACK_S = 3.0  # the watchdog thread can wake ~1 s late while clang compiles on 2 busy CPUs
 
 
 @privileged
@@ -499,14 +465,18 @@ def test_run_end_to_end(bpftool: None, jaeger: Jaeger, tmp_path: Path) -> None:
             modes = {
                 dict(k).get("signal"): v for k, v in fam["tracejoin_probe_mode"].samples.items()
             }
-            assert {"recvq", "tcp_stats", "sched", "tlb_flush", "page_faults"} <= set(modes)
+            assert "tlb_flush" in modes
+            on = ("recvq", "tcp_stats", "sched", "page_faults")  # all there on these hosts
+            assert {k: modes.get(k) for k in on} == dict.fromkeys(on, 1), modes
             tlb = {
                 k: v
                 for k, v in modes.items()
                 if k in ("tlb_hardware", "tlb_flush_fallback", "tlb_off")
             }
-            assert list(tlb.values()) == [1], modes
-            assert "tracejoin_gpu_sampler_running" in fam and "tracejoin_gpu_nvml_available" in fam
+            assert sorted(tlb.values()) == [0, 0, 1], modes  # one TLB mode in use
+            nvml = 1 if probe_nvml().available else 0  # the GPU signal is on by default
+            assert fam["tracejoin_gpu_nvml_available"].get() == nvml
+            assert fam["tracejoin_gpu_sampler_running"].get() == nvml
             assert fam["tracejoin_build_info"].total() == 1
             assert fam["tracejoin_probe_load_seconds"].get() > 0
             for name, f in fam.items():
@@ -537,7 +507,7 @@ def test_run_end_to_end(bpftool: None, jaeger: Jaeger, tmp_path: Path) -> None:
             assert agent.get("/readyz") == (200, "ready\n")
             elapsed = agent.terminate()
             assert agent.proc.returncode == 0, agent.log()
-            assert elapsed <= SHUTDOWN_TIMEOUT + BOUND_SLACK_S, elapsed
+            assert elapsed <= sigterm_bound_s(SHUTDOWN_TIMEOUT), (elapsed, agent.log())
             final = agent.final_counters()
             assert (
                 final["spans_exported"]
@@ -596,7 +566,7 @@ def test_sigterm_is_bounded_with_a_dead_endpoint(bpftool: None, tmp_path: Path, 
                 fam = agent.metrics()
                 assert fam["tracejoin_spans_exported_total"].get(exporter="otlp") == 0
                 elapsed = agent.terminate()
-                assert elapsed <= timeout + BOUND_SLACK_S, (elapsed, agent.log())
+                assert elapsed <= sigterm_bound_s(timeout), (elapsed, agent.log())
                 assert agent.proc.returncode == 0, agent.log()
                 final = agent.final_counters()
                 assert final["spans_built"] >= 5
@@ -630,18 +600,18 @@ def test_sigterm_while_loading_is_bounded(bpftool: None, tmp_path: Path) -> None
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
-        # wait until the kernel has some of its programs (compiling is done, loading is
-        # under way), or a moment into the compile on a fast machine
-        deadline = time.monotonic() + 30
+        # wait until the kernel has some of its programs: compiling is done, loading is under
+        # way (BCC loads each program as it attaches it)
+        deadline = time.monotonic() + 60
         while not agent.seen_progs and time.monotonic() < deadline:
             time.sleep(0.02)
+        assert agent.seen_progs, f"no program loaded 60 s after start:\n{agent.log()}"
         elapsed = agent.terminate()
         stop_watch.set()
         watcher.join()
-        assert elapsed <= timeout + BOUND_SLACK_S, (elapsed, agent.log())
+        assert elapsed <= sigterm_bound_s(timeout), (elapsed, agent.log())
         assert agent.proc.returncode in (0, 3), agent.log()  # 3: exited hard at the bound
-        if agent.seen_progs:
-            assert_released(agent)
+        assert_released(agent)
 
 
 # ------------------------------------------------------------------------ Kubernetes
@@ -753,10 +723,10 @@ def test_k8s_metadata_reaches_jaeger(bpftool: None, jaeger: Jaeger, tmp_path: Pa
                 fam = agent.metrics()
                 assert fam["tracejoin_k8s_resolved_total"].get(result="pod") == 1
                 assert fam["tracejoin_kubelet_refreshes_total"].get() == 1
-                assert "tracejoin_kubelet_errors_total" not in fam
+                assert fam["tracejoin_kubelet_errors_total"].samples == {}  # none failed
                 assert len(kubelet.requests) == 1
                 elapsed = agent.terminate()
-                assert elapsed <= SHUTDOWN_TIMEOUT + BOUND_SLACK_S, elapsed
+                assert elapsed <= sigterm_bound_s(SHUTDOWN_TIMEOUT), (elapsed, agent.log())
                 assert_released(agent)
     finally:
         kubelet.close()

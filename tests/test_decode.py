@@ -140,8 +140,10 @@ def test_decoder_never_raises(data):
     rec = dec.decode(data)
     if rec is not None:
         assert isinstance(rec, HttpRecord)
-        rec.method_str()
+        assert rec.method_str().isprintable()
         assert len(rec.method_bytes()) <= HTTP_METHOD_MAX
+        original = rec.method_original()
+        assert original is None or original.isprintable()
         rec.path_bytes()
         rec.traceparent_bytes()
 
@@ -165,3 +167,16 @@ def test_method_and_path_bytes_keep_nul_and_control_bytes() -> None:
     assert rec.path_bytes() == b"/a\x00\x1b"
     rec.method_len = 200  # a corrupt length is bounded by the field
     assert len(rec.method_bytes()) == HTTP_METHOD_MAX
+
+
+def test_methods_outside_the_known_set_are_other_and_kept_only_as_tokens():
+    rec = HttpRecord()
+    rec.method, rec.method_len = b"GET", 3
+    assert (rec.method_str(), rec.method_original()) == ("GET", None)
+    rec.flags = record.REQF_METHOD_OTHER
+    rec.method, rec.method_len = b"PROPFIND", 8
+    assert (rec.method_str(), rec.method_original()) == ("_OTHER", "PROPFIND")
+    rec.method, rec.method_len = b"DE\x1bL", 4  # never from the kernel; never passed on
+    assert (rec.method_str(), rec.method_original()) == ("_OTHER", None)
+    rec.flags = 0
+    assert rec.method_str() == "_OTHER"

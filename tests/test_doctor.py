@@ -319,6 +319,17 @@ def test_fake_host_pmu_present_and_matching_headers(tmp_path: Path) -> None:
     assert report.exit_code == 0
 
 
+def test_fake_host_pmu_without_sched_is_not_the_hardware_path(tmp_path: Path) -> None:
+    """Hardware TLB counters need the sched signal (read at each context switch): with a PMU
+    but no sched:sched_switch, the TLB signal is the flush fallback, saying why."""
+    root = _fake_host(tmp_path, headers_for=RELEASE)
+    (root / "sys/kernel/tracing/events/sched/sched_switch/format").unlink()
+    report = run_checks(_opts(root, perf_open=lambda t, c: (0, 0)))
+    tlb = signal(report, TLB_SIGNAL)
+    assert tlb.status is Status.FALLBACK
+    assert "sched:sched_switch is missing" in tlb.detail
+
+
 def test_fake_host_probe_that_raises_is_reported(tmp_path: Path) -> None:
     def broken() -> ProbeResult:
         raise RuntimeError("driver exploded")

@@ -6,11 +6,16 @@ retries, loss accounting and shutdown deadline. No mocks of gRPC or HTTP.
 from __future__ import annotations
 
 import base64
+import contextlib
 import gzip
 import io
 import json
+import os
 import random
+import shutil
 import socket
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -45,15 +50,17 @@ from tracejoin.core.model import (
     Span,
 )
 from tracejoin.exporters.base import ExportResult, ExportStatus, InMemoryExporter, SpanExporter
+from tracejoin.exporters.config import exporter_from_env
 from tracejoin.exporters.file_sender import ConsoleExporter, JsonLinesFileExporter
 from tracejoin.exporters.grpc_sender import OtlpGrpcExporter
-from tracejoin.exporters.http_sender import OtlpHttpExporter, parse_retry_after
+from tracejoin.exporters.http_sender import OtlpHttpExporter
 from tracejoin.exporters.otlp_json import (
     decode_request_json,
     encode_request_dict,
     encode_request_json,
 )
 from tracejoin.exporters.otlp_proto import encode_request, encode_request_bytes
+from tracejoin.exporters.perfetto import trace_document
 from tracejoin.exporters.queue import BatchExportQueue, FanoutQueue, fanout
 
 # ----------------------------------------------------------------------------- span factory
@@ -343,12 +350,14 @@ class GrpcCollector(trace_service_pb2_grpc.TraceServiceServicer):
         self.calls = 0
         self.fail: list[tuple[grpc.StatusCode, bytes | None]] = []
         self.rejected = 0
+        self.peers: list[list[bytes]] = []  # TLS: the client certificate's common name per call
         self.endpoint = ""
 
     def Export(self, request: Any, context: Any) -> ExportTraceServiceResponse:
         with self.lock:
             self.calls += 1
             self.metadata.append(dict(context.invocation_metadata()))
+            self.peers.append(context.auth_context().get("x509_common_name", []))
             failure = self.fail.pop(0) if self.fail else None
             if failure is None:
                 self.requests.append(request)
@@ -373,14 +382,24 @@ class GrpcCollector(trace_service_pb2_grpc.TraceServiceServicer):
         return merged
 
 
+def serve_grpc(collector: GrpcCollector, tls: grpc.ServerCredentials | None = None) -> grpc.Server:
+    """A real TraceService on loopback (TLS with `tls`), recording into `collector`."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    if tls is None:
+        port = server.add_insecure_port("127.0.0.1:0")
+        collector.endpoint = f"http://127.0.0.1:{port}"
+    else:
+        port = server.add_secure_port("127.0.0.1:0", tls)
+        collector.endpoint = f"https://127.0.0.1:{port}"
+    server.start()
+    return server
+
+
 @pytest.fixture
 def grpc_collector() -> Iterator[GrpcCollector]:
     collector = GrpcCollector()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    collector.endpoint = f"http://127.0.0.1:{port}"
+    server = serve_grpc(collector)
     yield collector
     server.stop(0)
 
@@ -392,8 +411,10 @@ class HttpCollector:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.requests: list[ExportTraceServiceRequest] = []
-        self.seen: list[tuple[float, str, dict[str, str]]] = []  # (time, path, headers)
+        self.seen: list[tuple[float, str, dict[str, str]]] = []  # (time, path, lower-case headers)
         self.responses: list[tuple[int, dict[str, str]]] = []  # answers for the next calls
+        self.rejected = 0  # partial success: spans reported as not kept
+        self.peers: list[Any] = []  # HTTPS: the client certificate of each request
         self.url = ""
 
     def received(self) -> ExportTraceServiceRequest:
@@ -404,9 +425,8 @@ class HttpCollector:
         return merged
 
 
-@pytest.fixture
-def http_collector() -> Iterator[HttpCollector]:
-    collector = HttpCollector()
+def serve_http(collector: HttpCollector, tls: ssl.SSLContext | None = None) -> ThreadingHTTPServer:
+    """A real OTLP/HTTP collector on loopback (HTTPS with `tls`), recording into `collector`."""
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as a real collector
@@ -416,15 +436,25 @@ def http_collector() -> Iterator[HttpCollector]:
             if self.headers.get("Content-Encoding") == "gzip":
                 body = gzip.decompress(body)
             with collector.lock:
-                collector.seen.append((time.monotonic(), self.path, dict(self.headers)))
-                status, headers = collector.responses.pop(0) if collector.responses else (200, {})
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                collector.seen.append((time.monotonic(), self.path, headers))
+                if tls is not None:
+                    collector.peers.append(self.connection.getpeercert())  # type: ignore[attr-defined]
+                status, answer = collector.responses.pop(0) if collector.responses else (200, {})
                 if status == 200:
                     collector.requests.append(ExportTraceServiceRequest.FromString(body))
-            payload = ExportTraceServiceResponse().SerializeToString() if status == 200 else b"no"
+            resp = ExportTraceServiceResponse()
+            if collector.rejected:
+                resp.partial_success.CopyFrom(
+                    ExportTracePartialSuccess(
+                        rejected_spans=collector.rejected, error_message="old"
+                    )
+                )
+            payload = resp.SerializeToString() if status == 200 else b"no"
             self.send_response(status)
             self.send_header("Content-Type", "application/x-protobuf")
             self.send_header("Content-Length", str(len(payload)))
-            for k, v in headers.items():
+            for k, v in answer.items():
                 self.send_header(k, v)
             self.end_headers()
             self.wfile.write(payload)
@@ -434,12 +464,74 @@ def http_collector() -> Iterator[HttpCollector]:
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    collector.url = f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
+    scheme = "http"
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
+        scheme = "https"
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    collector.url = f"{scheme}://127.0.0.1:{server.server_address[1]}/v1/traces"
+    return server
+
+
+@pytest.fixture
+def http_collector() -> Iterator[HttpCollector]:
+    collector = HttpCollector()
+    server = serve_http(collector)
     yield collector
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate (CN tracejoin-client),
+    made by the openssl command."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed: it makes the test certificates")
+    d = tmp_path_factory.mktemp("pki")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    key = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    openssl("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+            "-subj", "/CN=tracejoin-test-ca")  # fmt: skip
+    for name, ext in (
+        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
+        (d / f"{name}.ext").write_text(ext + "\n")
+        openssl("req", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                "-subj", f"/CN=tracejoin-{name}")  # fmt: skip
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                "-CAcreateserial", "-out", f"{name}.pem", "-days", "2",
+                "-extfile", f"{name}.ext")  # fmt: skip
+    return {n: d / n for n in ("ca.pem", "server.key", "server.pem", "client.key", "client.pem")}
+
+
+@pytest.fixture
+def mtls_collector(pki: dict[str, Path], request: pytest.FixtureRequest) -> Iterator[Any]:
+    """An OTLP collector (protocol: the test's parameter) that requires a client certificate
+    signed by the test CA."""
+    if request.param == "grpc":
+        grpc_side = GrpcCollector()
+        creds = grpc.ssl_server_credentials(
+            [(pki["server.key"].read_bytes(), pki["server.pem"].read_bytes())],
+            root_certificates=pki["ca.pem"].read_bytes(),
+            require_client_auth=True,
+        )
+        server = serve_grpc(grpc_side, creds)
+        yield grpc_side
+        server.stop(0)
+        return
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(pki["ca.pem"]))
+    ctx.load_cert_chain(pki["server.pem"], pki["server.key"])
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    http_side = HttpCollector()
+    http_server = serve_http(http_side, ctx)
+    yield http_side
+    http_server.shutdown()
+    http_server.server_close()
 
 
 @pytest.fixture
@@ -453,19 +545,46 @@ def blackhole_port() -> Iterator[int]:
 
 
 @pytest.fixture
-def dead_port() -> int:
-    """A port nothing listens on (connection refused)."""
+def dead_port() -> Iterator[int]:
+    """A port that refuses connections: bound, never listening (so no one else can take it)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    port: int = sock.getsockname()[1]
+    yield sock.getsockname()[1]
     sock.close()
-    return port
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A collector that accepts every connection and reads what it is sent, and never answers
+    (HTTP: no status line; gRPC: not even the HTTP/2 SETTINGS frame)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    conns: list[socket.socket] = []
+
+    def drain(conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while conn.recv(65536):
+                pass
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed at teardown
+                return
+            conns.append(conn)
+            threading.Thread(target=drain, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield server.getsockname()[1]
+    server.close()
+    for conn in conns:
+        conn.close()
 
 
 def fast_queue(exporter: SpanExporter, metrics: Metrics, **kw: Any) -> BatchExportQueue:
     opts: dict[str, Any] = dict(
         max_batch=100, flush_interval_s=0.05, initial_backoff_s=0.01, max_backoff_s=0.05,
-        rng=random.Random(1),
+        rng=random.Random(1), name="q",
     )  # fmt: skip
     opts.update(kw)
     return BatchExportQueue(exporter, metrics, **opts)
@@ -515,9 +634,10 @@ def test_http_exporter_delivers_exact_content(
     assert_same_request(http_collector.received(), want)
     _, path, headers = http_collector.seen[0]
     assert path == "/v1/traces"
-    assert headers["Content-Type"] == "application/x-protobuf"
-    assert headers["Authorization"] == "Bearer t0k"
-    assert headers.get("Content-Encoding") == compression
+    assert headers["content-type"] == "application/x-protobuf"
+    assert headers["authorization"] == "Bearer t0k"
+    assert headers["user-agent"] == f"tracejoin/{tracejoin.__version__}"
+    assert headers.get("content-encoding") == compression
 
 
 def _concat(*reqs: ExportTraceServiceRequest) -> ExportTraceServiceRequest:
@@ -553,6 +673,7 @@ def test_grpc_retry_info_and_status_mapping(grpc_collector: GrpcCollector) -> No
     ]
     assert results[0].retry_after_s == pytest.approx(1.5)
     assert "INVALID_ARGUMENT" in results[2].detail
+    assert grpc_collector.calls == 5  # one call per export: the queue does the retrying
 
 
 def test_http_status_mapping_and_retry_after(http_collector: HttpCollector) -> None:
@@ -570,8 +691,82 @@ def test_http_status_mapping_and_retry_after(http_collector: HttpCollector) -> N
     ]
     assert results[0].retry_after_s == 7.0
     assert results[1].retry_after_s is None
-    assert parse_retry_after("Wed, 21 Oct 2015 07:28:10 GMT", now=1445412480.0) == 10.0
-    assert parse_retry_after("soon") is None
+    assert len(http_collector.seen) == 4  # one request per export: the queue does the retrying
+
+
+@pytest.mark.parametrize("mtls_collector", ["grpc", "http/protobuf"], indirect=True)
+def test_tls_and_mtls_from_the_standard_variables(
+    mtls_collector: Any, pki: dict[str, Path]
+) -> None:
+    """CA, client key and client certificate from OTEL_EXPORTER_OTLP_* (generic and
+    traces-specific mixed) reach the package's transport: the collector sees our client
+    certificate; without it, or without the CA, nothing is delivered."""
+    protocol = "grpc" if isinstance(mtls_collector, GrpcCollector) else "http/protobuf"
+    url = mtls_collector.endpoint if protocol == "grpc" else mtls_collector.url
+    env = {
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": protocol,
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": url,
+        "OTEL_EXPORTER_OTLP_CERTIFICATE": str(pki["ca.pem"]),
+        "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY": str(pki["client.key"]),
+        "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE": str(pki["client.pem"]),
+    }
+    spans = make_spans(7)
+    no_client_cert = {k: v for k, v in env.items() if "CLIENT" not in k}
+    no_ca = {k: v for k, v in env.items() if k != "OTEL_EXPORTER_OTLP_CERTIFICATE"}
+    results = []
+    for variables in (env, no_client_cert, no_ca):
+        exp = exporter_from_env(variables)
+        try:
+            results.append(exp.export(spans, timeout_s=5))
+        finally:
+            exp.shutdown()
+    assert [r.ok for r in results] == [True, False, False], [r.detail for r in results]
+    assert_same_request(mtls_collector.received(), reference_request(spans))
+    if protocol == "grpc":
+        assert mtls_collector.peers == [[b"tracejoin-client"]]
+    else:
+        (peer,) = mtls_collector.peers
+        assert dict(x[0] for x in peer["subject"])["commonName"] == "tracejoin-client"
+
+
+@pytest.mark.parametrize(
+    ("endpoint_form", "insecure", "delivered"),
+    [
+        ("bare", "true", True),  # host:port + INSECURE=true: plaintext
+        ("bare", None, False),  # host:port alone: TLS, which a plaintext collector refuses
+        ("http", "false", True),  # a scheme wins over INSECURE (the spec)
+    ],
+)
+def test_grpc_insecure_follows_the_spec(
+    grpc_collector: GrpcCollector, endpoint_form: str, insecure: str | None, delivered: bool
+) -> None:
+    endpoint = grpc_collector.endpoint
+    if endpoint_form == "bare":
+        endpoint = endpoint.removeprefix("http://")
+    env = {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
+    if insecure is not None:
+        env["OTEL_EXPORTER_OTLP_TRACES_INSECURE"] = insecure
+    exp = exporter_from_env(env)
+    try:
+        result = exp.export(make_spans(2), timeout_s=5)
+    finally:
+        exp.shutdown()
+    assert result.ok is delivered, result.detail
+    assert grpc_collector.calls == (1 if delivered else 0)
+
+
+def test_http_partial_success_and_one_attempt_per_call(http_collector: HttpCollector) -> None:
+    http_collector.rejected = 2
+    exp = OtlpHttpExporter(http_collector.url)
+    try:
+        result = exp.export(make_spans(5))
+        http_collector.responses = [(503, {}), (503, {})]
+        failed = exp.export(make_spans(1))
+    finally:
+        exp.shutdown()
+    assert (result.ok, result.rejected_spans, result.detail) == (True, 2, "old")
+    assert failed.status is ExportStatus.RETRYABLE_FAILURE
+    assert len(http_collector.seen) == 2  # the package's own retry loop is not used
 
 
 @pytest.mark.parametrize("transport", ["grpc", "http"])
@@ -621,6 +816,21 @@ def test_console_exporter_lines() -> None:
     ]
 
 
+def test_console_exporter_escapes_terminal_controls() -> None:
+    """A path like `/ESC]52;c;...BEL ESC[2J` would write the operator's clipboard and clear
+    the screen: C0, DEL and C1 controls are printed escaped, one line per span."""
+    span = make_span(0)
+    span.name = "GET /\x1b]52;c;aGk=\x07\x1b[2J\r\n\x7f\x9b31m"
+    span.status_message = "bad\x1bc"
+    out = io.StringIO()
+    assert ConsoleExporter(out).export([span]).ok
+    text = out.getvalue()
+    assert text.endswith("\n") and text.count("\n") == 1
+    assert not any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in text[:-1])
+    assert "GET /\\x1b]52;c;aGk=\\x07\\x1b[2J\\x0d\\x0a\\x7f\\u009b31m" in text
+    assert text.rstrip("\n").endswith("ERROR (bad\\x1bc)")
+
+
 # --------------------------------------------------------------------------------- queue
 
 
@@ -635,9 +845,9 @@ def test_queue_grpc_retries_unavailable_then_succeeds(grpc_collector: GrpcCollec
     q.shutdown(5)
     assert grpc_collector.calls == 3
     assert_same_request(grpc_collector.received(), reference_request(spans))
-    assert metrics.get("spans_exported") == 40
-    assert metrics.get("export_retries") == 2
-    assert metrics.get("export_failures") == 0
+    assert metrics.get("spans_exported", exporter="q") == 40
+    assert metrics.get("export_retries", exporter="q") == 2
+    assert metrics.get("export_failures", exporter="q") == 0
     assert metrics.total("spans_dropped") == 0
 
 
@@ -656,9 +866,9 @@ def test_queue_http_retries_503_honouring_retry_after(http_collector: HttpCollec
     assert times[1] - times[0] >= 0.95  # waited as told, not the 10 ms backoff
     assert times[2] - times[1] < 0.5
     assert_same_request(http_collector.received(), reference_request(spans))
-    assert metrics.get("spans_exported") == 20
-    assert metrics.get("export_retries") == 2
-    assert metrics.get("export_failures") == 0
+    assert metrics.get("spans_exported", exporter="q") == 20
+    assert metrics.get("export_retries", exporter="q") == 2
+    assert metrics.get("export_failures", exporter="q") == 0
 
 
 def test_queue_counts_partial_success_rejections(grpc_collector: GrpcCollector) -> None:
@@ -669,8 +879,8 @@ def test_queue_counts_partial_success_rejections(grpc_collector: GrpcCollector) 
         q.submit(s)
     q.start()
     q.shutdown(5)
-    assert metrics.get("spans_exported") == 7
-    assert metrics.get("spans_dropped", reason="rejected") == 3
+    assert metrics.get("spans_exported", exporter="q") == 7
+    assert metrics.get("spans_dropped", reason="rejected", exporter="q") == 3
     assert grpc_collector.calls == 1  # partial success is not retried
 
 
@@ -688,10 +898,10 @@ def test_queue_dead_endpoint_counts_failures_never_raises(dead_port: int, transp
     q.start()
     assert q.force_flush(10)
     q.shutdown(2)
-    assert metrics.get("spans_exported") == 0
-    assert metrics.get("export_failures") == 3  # batches of 10, 10, 5
-    assert metrics.get("export_retries") == 6  # 2 per batch
-    assert metrics.get("spans_dropped", reason="export_failed") == 25
+    assert metrics.get("spans_exported", exporter="q") == 0
+    assert metrics.get("export_failures", exporter="q") == 3  # batches of 10, 10, 5
+    assert metrics.get("export_retries", exporter="q") == 6  # 2 per batch
+    assert metrics.get("spans_dropped", reason="export_failed", exporter="q") == 25
     assert metrics.total("spans_dropped") == 25
 
 
@@ -714,11 +924,74 @@ def test_queue_shutdown_returns_within_deadline_on_blackhole(
     q.shutdown(1.0)
     elapsed = time.monotonic() - t0
     assert elapsed < 1.3, elapsed
-    assert metrics.get("spans_dropped", reason="shutdown") == 35  # in flight + queued
-    assert metrics.get("spans_exported") == 0
+    assert metrics.get("spans_dropped", reason="shutdown", exporter="q") == 35  # in flight + queued
+    assert metrics.get("spans_exported", exporter="q") == 0
     t1 = time.monotonic()
     q.shutdown(1.0)  # idempotent: returns at once
     assert time.monotonic() - t1 < 0.1
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+@pytest.mark.parametrize("collector", ["refusing", "silent"])
+def test_shutdown_during_an_outage_accounts_for_every_span(
+    dead_port: int, silent_port: int, protocol: str, collector: str
+) -> None:
+    """Issue 18 section 5: SIGTERM (the queue's shutdown) arrives while a batch is being
+    retried against a collector that is down, with more batches queued behind it. Every span
+    submitted is exported or counted as dropped: exported + dropped == submitted, exactly."""
+    port = dead_port if collector == "refusing" else silent_port
+    exporter = exporter_from_env(
+        {}, {"endpoint": f"http://127.0.0.1:{port}", "protocol": protocol, "timeout_s": 0.1}
+    )
+    metrics = Metrics()
+    # Every backoff (0.2-0.4 s) is longer than the shutdown deadline (0.15 s): the batch being
+    # retried cannot be retried again in time, and the batches behind it get one attempt each.
+    q = BatchExportQueue(
+        exporter, metrics, max_batch=10, flush_interval_s=0.01, max_retries=1000,
+        initial_backoff_s=0.4, max_backoff_s=0.4, max_elapsed_s=600, rng=random.Random(1),
+        name="q",
+    )  # fmt: skip
+    spans = make_spans(95)
+    assert all(q.submit(s) for s in spans)
+    q.start()
+    give_up = time.monotonic() + 10
+    while metrics.get("export_retries", exporter="q") < 1:  # the first batch is retrying
+        assert time.monotonic() < give_up, "the first batch was never retried"
+        time.sleep(0.005)
+    assert len(q) == 85  # nine batches queued behind it
+    q.shutdown(0.15)
+    exported = metrics.get("spans_exported", exporter="q")
+    dropped = {
+        r: metrics.get("spans_dropped", reason=r, exporter="q")
+        for r in ("shutdown", "export_failed")
+    }
+    assert exported == 0
+    assert metrics.total("spans_dropped") == sum(dropped.values())
+    assert exported + sum(dropped.values()) == len(spans), dropped
+    assert dropped["shutdown"] == len(spans)  # given up for want of time, not as failures
+
+
+def test_queue_identity_holds_whenever_shutdown_comes() -> None:
+    """exported + dropped == submitted after shutdown, for shutdowns at many moments of an
+    outage that clears at a random point (some batches fail, some go through)."""
+    rng = random.Random(18)
+    for round_ in range(40):
+        exp = InMemoryExporter()
+        exp.fail_next(rng.randrange(0, 12))
+        metrics = Metrics()
+        q = fast_queue(
+            exp, metrics, max_batch=7, max_retries=3, initial_backoff_s=rng.choice([0.001, 0.03]),
+            max_backoff_s=0.03, rng=random.Random(round_),
+        )  # fmt: skip
+        for s in make_spans(50):
+            q.submit(s)
+        q.start()
+        time.sleep(rng.uniform(0, 0.05))
+        q.shutdown(rng.uniform(0, 0.05))
+        assert q.submit(make_span(99)) is False  # after shutdown: counted as dropped
+        exported = metrics.get("spans_exported", exporter="q")
+        assert exported <= len(exp.spans)  # a delivery racing the deadline counts as dropped
+        assert exported + metrics.total("spans_dropped") == 51, (round_, metrics.snapshot())
 
 
 def test_queue_shutdown_survives_a_hung_exporter() -> None:
@@ -736,10 +1009,10 @@ def test_queue_shutdown_survives_a_hung_exporter() -> None:
     t0 = time.monotonic()
     q.shutdown(0.5)
     assert time.monotonic() - t0 < 0.8
-    assert metrics.get("spans_dropped", reason="shutdown") == 10
+    assert metrics.get("spans_dropped", reason="shutdown", exporter="q") == 10
     exp.unblock()
     time.sleep(0.1)
-    assert metrics.get("spans_exported") == 0
+    assert metrics.get("spans_exported", exporter="q") == 0
     assert metrics.total("spans_dropped") == 10
     assert exp.shut_down
 
@@ -758,7 +1031,7 @@ def test_queue_worker_stops_at_deadline_instead_of_sleeping_out_a_retry_after() 
     assert q._thread is not None
     q._thread.join(0.5)
     assert not q._thread.is_alive()  # gave up the retry: it could not finish in time
-    assert metrics.get("spans_dropped", reason="shutdown") == 1
+    assert metrics.get("spans_dropped", reason="shutdown", exporter="q") == 1
     assert exp.calls == 1
 
 
@@ -768,11 +1041,11 @@ def test_queue_full_drops_are_counted_exactly() -> None:
     q = fast_queue(exp, metrics, max_queue_spans=10)
     accepted = [q.submit(s) for s in make_spans(25)]
     assert accepted == [True] * 10 + [False] * 15
-    assert metrics.get("spans_dropped", reason="queue_full") == 15
+    assert metrics.get("spans_dropped", reason="queue_full", exporter="q") == 15
     assert len(q) == 10
     q.start()
     q.shutdown(5)
-    assert metrics.get("spans_exported") == 10
+    assert metrics.get("spans_exported", exporter="q") == 10
     assert len(exp.spans) == 10
 
 
@@ -789,12 +1062,12 @@ def test_queue_full_while_exporter_is_stuck() -> None:
     assert exp.entered.wait(2)  # the first 4 are in flight
     accepted = [q.submit(s) for s in spans[4:]]
     assert accepted == [True] * 8 + [False] * 8
-    assert metrics.get("spans_dropped", reason="queue_full") == 8
+    assert metrics.get("spans_dropped", reason="queue_full", exporter="q") == 8
     exp.unblock()
     assert q.force_flush(5)
     q.shutdown(5)
     assert [s.span_id for s in exp.spans] == [s.span_id for s in spans[:12]]
-    assert metrics.get("spans_exported") == 12
+    assert metrics.get("spans_exported", exporter="q") == 12
 
 
 def test_queue_retries_then_gives_up_and_backs_off() -> None:
@@ -806,15 +1079,15 @@ def test_queue_retries_then_gives_up_and_backs_off() -> None:
         q.submit(s)
     q.start()
     assert q.force_flush(5)
-    assert metrics.get("export_retries") == 2
-    assert metrics.get("export_failures") == 1
-    assert metrics.get("spans_dropped", reason="export_failed") == 5
+    assert metrics.get("export_retries", exporter="q") == 2
+    assert metrics.get("export_failures", exporter="q") == 1
+    assert metrics.get("spans_dropped", reason="export_failed", exporter="q") == 5
     # Three calls (1 + 2 retries) used the three failures up: the next batch goes through.
     for s in make_spans(3):
         q.submit(s)
     assert q.force_flush(5)
     q.shutdown(5)
-    assert metrics.get("spans_exported") == 3
+    assert metrics.get("spans_exported", exporter="q") == 3
     assert exp.calls == 4
 
 
@@ -828,8 +1101,8 @@ def test_queue_permanent_failure_is_not_retried() -> None:
     q.start()
     q.shutdown(5)
     assert exp.calls == 1
-    assert metrics.get("export_retries") == 0
-    assert metrics.get("spans_dropped", reason="export_failed") == 6
+    assert metrics.get("export_retries", exporter="q") == 0
+    assert metrics.get("spans_dropped", reason="export_failed", exporter="q") == 6
 
 
 def test_queue_max_elapsed_caps_retrying() -> None:
@@ -842,14 +1115,14 @@ def test_queue_max_elapsed_caps_retrying() -> None:
     t0 = time.monotonic()
     assert q.force_flush(5)
     assert time.monotonic() - t0 < 1.0
-    assert metrics.get("export_failures") == 1
+    assert metrics.get("export_failures", exporter="q") == 1
     q.shutdown(1)
 
 
 def test_queue_backoff_is_exponential_jittered_and_capped() -> None:
     q = BatchExportQueue(
         InMemoryExporter(), Metrics(), initial_backoff_s=0.5, max_backoff_s=4.0,
-        rng=random.Random(3),
+        rng=random.Random(3), name="q",
     )  # fmt: skip
     for attempt, cap in [(0, 0.5), (1, 1.0), (2, 2.0), (3, 4.0), (10, 4.0)]:
         delays = [q._backoff(attempt, None) for _ in range(200)]
@@ -866,7 +1139,7 @@ def test_queue_exports_during_shutdown_with_a_bounded_timeout() -> None:
         q.submit(s)
     q.start()
     q.shutdown(2.0)  # the flush interval is far off: shutdown itself flushes
-    assert metrics.get("spans_exported") == 3
+    assert metrics.get("spans_exported", exporter="q") == 3
     assert exp.timeouts and exp.timeouts[-1] is not None and 0 < exp.timeouts[-1] <= 2.0
 
 
@@ -879,7 +1152,7 @@ def test_queue_lifecycle_is_safe() -> None:
     assert exp.shut_down
     q.start()  # after shutdown: no-op
     assert not q.submit(make_span(0))
-    assert metrics.get("spans_dropped", reason="shutdown") == 1
+    assert metrics.get("spans_dropped", reason="shutdown", exporter="q") == 1
 
     q2 = fast_queue(InMemoryExporter(), metrics, name="x")
     q2.submit(make_span(1))
@@ -900,7 +1173,7 @@ def test_queue_batches_by_size_and_interval() -> None:
     q.shutdown(1)
     assert sum(exp.batch_sizes) == 20
     assert max(exp.batch_sizes) <= 8
-    assert metrics.get("spans_exported") == 20
+    assert metrics.get("spans_exported", exporter="q") == 20
 
 
 def test_fanout_file_and_grpc_side_by_side(tmp_path: Path, grpc_collector: GrpcCollector) -> None:
@@ -953,3 +1226,24 @@ def test_inmemory_exporter_satisfies_protocol() -> None:
         assert isinstance(exp, SpanExporter)
     assert ExportResult.SUCCESS.ok and ExportResult.retry("x").retryable
     assert trace_service_pb2.DESCRIPTOR.package == "opentelemetry.proto.collector.trace.v1"
+
+
+# ------------------------------------------------------------------------------ perfetto
+
+
+def test_perfetto_names_tracks_from_the_spans_only() -> None:
+    """Process and thread names come from the span (resource, `thread.name`), never from
+    /proc: this process's own pid and tid, without `thread.name`, stay `thread <tid>`."""
+    pid, tid = os.getpid(), threading.get_native_id()
+    own = Resource((("service.name", "api"), ("process.executable.name", "gunicorn"),
+                    ("process.pid", pid)))  # fmt: skip
+    named, unnamed = make_span(0, own), make_span(1, own)
+    named.attributes = {"thread.id": tid + 1, "thread.name": "worker-3"}
+    unnamed.attributes = {"thread.id": tid}
+    unnamed.start_ns = named.start_ns = 10**18
+    doc = trace_document([named, unnamed])
+    meta = [e for e in doc["traceEvents"] if e["ph"] == "M"]
+    threads = {e["tid"]: e["args"]["name"] for e in meta if e["name"] == "thread_name"}
+    assert threads == {tid + 1: f"worker-3 {tid + 1}", tid: f"thread {tid}"}
+    (process,) = [e["args"]["name"] for e in meta if e["name"] == "process_name"]
+    assert process == "api (gunicorn)"

@@ -87,6 +87,32 @@ def test_headers_timeout_compression_insecure(tmp_path: Path) -> None:
     exp.shutdown()
 
 
+def test_mtls_files_traces_specific_wins(tmp_path: Path) -> None:
+    files = {n: tmp_path / n for n in ("ca", "key", "cert", "traces-key")}
+    for f in files.values():
+        f.write_text("not checked here")
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "https://c:4318",
+        "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE": str(files["ca"]),
+        "OTEL_EXPORTER_OTLP_CLIENT_KEY": str(files["key"]),
+        "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY": str(files["traces-key"]),
+        "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE": str(files["cert"]),
+    }
+    s = settings_from_env(env)
+    assert (s.certificate, s.client_key, s.client_certificate) == (
+        str(files["ca"]), str(files["traces-key"]), str(files["cert"]),
+    )  # fmt: skip
+    over = settings_from_env(env, {"client_key": str(files["key"])})
+    assert over.client_key == str(files["key"])
+    with pytest.raises(ExporterConfigError) as info:
+        settings_from_env({**env, "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE": ""})
+    assert info.value.variable == "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE"
+    assert "both" in str(info.value)
+    with pytest.raises(ExporterConfigError) as info:
+        settings_from_env({**env, "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY": "/no/key"})
+    assert str(info.value).startswith("OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY: client_key file")
+
+
 def test_empty_variables_count_as_unset() -> None:
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "", "OTEL_EXPORTER_OTLP_TIMEOUT": " "}
     assert settings_from_env(env).kind == "file"

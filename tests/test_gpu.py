@@ -288,6 +288,7 @@ def test_per_process_series_are_bounded() -> None:
 def test_attribute_names_say_what_they_measure_and_are_documented() -> None:
     doc = (ROOT / "docs" / "gpu.md").read_text()
     table_names = set(re.findall(r"^\| `(tracejoin\.gpu\.[a-z0-9_.]+)` \|", doc, re.M))
+    assert gj.KERNEL_ACTIVE_AVG in gj.ALL_ATTRIBUTES and gj.DEVICE_UUID in gj.ALL_ATTRIBUTES
     assert table_names == set(gj.ALL_ATTRIBUTES)
     for name in gj.ALL_ATTRIBUTES:
         assert name.startswith("tracejoin.gpu.")
@@ -408,7 +409,7 @@ def test_not_supported_field_is_skipped_and_reported_once(
     attrs = sampler.join(42, T0, clock.now)
     assert gj.POWER_AVG not in attrs
     assert attrs[gj.TEMPERATURE_MAX] == 61  # the rest still works
-    assert metrics.get("gpu_samples_total", device="0") == 5
+    assert metrics.get("gpu_samples", device="0") == 5
 
 
 def test_transient_error_is_counted_and_retried() -> None:
@@ -421,7 +422,7 @@ def test_transient_error_is_counted_and_retried() -> None:
     assert fake.calls["nvmlDeviceGetMemoryInfo"] == 3
     assert "memory" not in sampler.unsupported_fields().get(0, {})
     errs = metrics.get(
-        "gpu_nvml_errors_total", function="nvmlDeviceGetMemoryInfo", error="NVMLError_Timeout"
+        "gpu_nvml_errors", function="nvmlDeviceGetMemoryInfo", error="NVMLError_Timeout"
     )
     assert errs == 3
     del dev.errors["nvmlDeviceGetMemoryInfo"]
@@ -450,8 +451,8 @@ def test_gpu_lost_mid_capture_keeps_sampling_the_others(caplog: pytest.LogCaptur
     clock.tick()
     sampler.sample_once()
     assert fake.calls["nvmlDeviceGetMemoryInfo"] == calls_after_loss["nvmlDeviceGetMemoryInfo"] + 1
-    assert metrics.get("gpu_samples_total", device="0") == 8
-    assert metrics.get("gpu_samples_total", device="1") == 3
+    assert metrics.get("gpu_samples", device="0") == 8
+    assert metrics.get("gpu_samples", device="1") == 3
     assert metrics.get("gpu_device_lost", device="1") == 1
     assert metrics.get("gpu_device_lost", device="0") == 0
     assert [g.lost for g in sampler.status.gpus] == [False, True]
@@ -510,7 +511,7 @@ def test_out_of_range_values_are_dropped_and_counted() -> None:
     clock.tick()
     sampler.sample_once()
     assert len(sampler.histories()[0].kernel_active) == 0
-    assert metrics.get("gpu_invalid_samples_total", device="0", field="utilization.rates") == 1
+    assert metrics.get("gpu_invalid_samples", device="0", field="utilization.rates") == 1
 
 
 def test_nvml_timestamps_on_another_clock_fall_back_to_tick_stamps() -> None:
@@ -531,9 +532,9 @@ def test_self_metrics_per_call_latency() -> None:
     for _ in range(3):
         clock.tick()
         sampler.sample_once()
-    assert metrics.get("gpu_nvml_calls_total", function="nvmlDeviceGetMemoryInfo") == 3
-    assert metrics.get("gpu_nvml_call_seconds_total", function="nvmlDeviceGetMemoryInfo") > 0
-    assert metrics.get("gpu_samples_total", device="0") == 3
+    assert metrics.get("gpu_nvml_calls", function="nvmlDeviceGetMemoryInfo") == 3
+    assert metrics.get("gpu_nvml_call_seconds", function="nvmlDeviceGetMemoryInfo") > 0
+    assert metrics.get("gpu_samples", device="0") == 3
     text = metrics.prometheus_text()
     assert 'tracejoin_gpu_nvml_calls_total{function="nvmlDeviceGetSamples"}' in text
 
@@ -673,7 +674,7 @@ def test_sampler_thread_samples_and_join_attaches() -> None:
         time.sleep(0.01)
     attrs = sampler.join(pid, start_ns, end_ns)
     sampler.shutdown()
-    assert metrics.get("gpu_samples_total", device="0") >= 5
+    assert metrics.get("gpu_samples", device="0") >= 5
     assert attrs[gj.KERNEL_ACTIVE_AVG] == pytest.approx(0.75)
     assert attrs[gj.MEM_BUSY_MAX] == pytest.approx(0.25)
     assert attrs[gj.PROCESS_MEMORY_USED_MAX] == 3 << 30
@@ -681,14 +682,14 @@ def test_sampler_thread_samples_and_join_attaches() -> None:
     assert float(attrs[gj.WINDOW_COVERAGE]) > 0.9
     assert metrics.get("gpu_sampler_running") == 0
     assert fake.initialised == 0
-    n = metrics.get("gpu_samples_total", device="0")
+    n = metrics.get("gpu_samples", device="0")
     time.sleep(0.06)
-    assert metrics.get("gpu_samples_total", device="0") == n  # the thread has stopped
+    assert metrics.get("gpu_samples", device="0") == n  # the thread has stopped
     sampler.shutdown()  # idempotent
     assert fake.calls["nvmlShutdown"] == 1
     sampler.start()  # no restart after shutdown
     time.sleep(0.06)
-    assert metrics.get("gpu_samples_total", device="0") == n
+    assert metrics.get("gpu_samples", device="0") == n
     assert metrics.get("gpu_sampler_running") == 0
 
 
@@ -724,8 +725,12 @@ def test_fake_matches_pynvml_surface() -> None:
     with pytest.raises(pynvml.NVMLError_GpuIsLost):
         fake.nvmlDeviceGetMemoryInfo(dev)
     # Every pynvml function the sampler calls exists in the real module with that name.
+    # (by name, as `_call` takes them, or called directly on the module)
     src = (ROOT / "agent" / "enrich" / "gpu_sampler.py").read_text()
-    for name in set(re.findall(r'"(nvml[A-Z][A-Za-z]+)"', src)):
+    called = set(re.findall(r'"(nvml[A-Z][A-Za-z]+)"|\bnvml\.(nvml[A-Z][A-Za-z]+)\(', src))
+    names = {quoted or direct for quoted, direct in called}
+    assert {"nvmlInit", "nvmlShutdown", "nvmlDeviceGetMemoryInfo", "nvmlGpmSampleGet"} <= names
+    for name in names:
         assert callable(getattr(pynvml, name)), name
         assert callable(getattr(fake, name)), name
 

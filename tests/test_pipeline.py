@@ -228,6 +228,9 @@ def test_agent_lifecycle_over_an_injected_source():
     agent.observers.append(lambda spans, _rec: seen.extend(spans))
     agent.start()
     assert agent.ready.is_set() and agent.alive()
+    agent.refresh_metrics()  # the agent's own cost, as /metrics and a capture report it
+    assert metrics.get("process_resident_memory_bytes") > 10 * 2**20  # a Python process
+    assert metrics.get("process_cpu_seconds") > 0
     data, trace_id = traced(0)
     source.push(data)
     deadline = time.monotonic() + 10

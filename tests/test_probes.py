@@ -37,11 +37,13 @@ def test_tlb_hardware_forced_without_pmu_is_a_clear_error(require_root, monkeypa
 @pytest.mark.privileged
 def test_tlb_hardware_path_is_selected_and_passes_the_verifier(require_root, monkeypatch):
     """With a PMU the hardware path is chosen instead of the flush fallback; its programs
-    compile and load here even though no counter can be opened in this VM."""
+    (the counters read at switch in/out and at request start and finish, in the scanners)
+    compile and pass the verifier here even though no counter can be opened in this VM."""
     monkeypatch.setattr(probes, "pmu_tlb_available", lambda: True)
     probe = HttpProbes(ProbeConfig(), Metrics())
     assert "TLB_HW" in probe.plan()
     src, flags = probe.render()
+    assert "tlb_hw_now" in src
     from bcc import BPF
 
     b = BPF(text=src.encode(), cflags=flags)
@@ -50,10 +52,36 @@ def test_tlb_hardware_path_is_selected_and_passes_the_verifier(require_root, mon
         assert b"sched:sched_switch" in attached  # reads the counters at switch in/out
         assert b"tlb:tlb_flush" not in attached  # the fallback is compiled out
         assert b.get_table(b"dtlb") is not None and b.get_table(b"itlb") is not None
+        for name in (b"scan_req", b"scan_resp"):  # read them at request start and finish
+            b.load_func(name, BPF.TRACEPOINT)
     finally:
         b.cleanup()
     assert probes.DTLB_READ_MISS == 3 | (0 << 8) | (1 << 16)
     assert probes.ITLB_READ_MISS == 4 | (0 << 8) | (1 << 16)
+
+
+@pytest.mark.privileged
+def test_tlb_hardware_requires_the_sched_signal(require_root, monkeypatch):
+    """The counters are per CPU: a thread's share is right only when read at each of its
+    context switches. Without sched:sched_switch, auto falls back to flushes and a forced
+    hardware mode is an error naming the missing signal."""
+    monkeypatch.setattr(probes, "pmu_tlb_available", lambda: True)
+    no_sched = frozenset({"sched:sched_switch"})
+    knobs = _knobs(ProbeConfig(disabled_tracepoints=no_sched))
+    assert "TLB_HW" not in knobs and "WITH_SCHED" not in knobs
+    assert "WITH_TLB_FLUSH" in knobs
+    with pytest.raises(ProbeError, match="needs the sched signal"):
+        _knobs(ProbeConfig(disabled_tracepoints=no_sched, tlb_hardware=True))
+    assert "TLB_HW" in _knobs(ProbeConfig(tlb_hardware=True))
+
+
+def test_tlb_hardware_without_sched_does_not_compile(tmp_path):
+    """The same rule in the C: TLB_HW without WITH_SCHED is a compile error, not a silent 0."""
+    src = probes.bpf_source_dir()
+    alone = probes.render_source(src, "http.c", {"NCPU": 2, "TLB_HW": None})
+    assert "#error" in alone
+    both = probes.render_source(src, "http.c", {"NCPU": 2, "TLB_HW": None, "WITH_SCHED": None})
+    assert "#error" not in both
 
 
 # ------------------------------------------------------------------------------ rendering

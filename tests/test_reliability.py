@@ -15,6 +15,7 @@ import ctypes
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import threading
@@ -37,20 +38,28 @@ from hostile import (
     Scrape,
     Sent,
     agent_process,
-    bpf_holders,
     bpf_object_ids,
     get_bytes,
     keepalive_load,
     loaded_bpf_ids,
     new_sent,
+    parse_prometheus,
     short_connections,
+    sigterm_bound_s,
     tracejoin_command,
+    wait_bpf_released,
 )
 from jaeger import Jaeger, JaegerPorts, find_binary, missing_binary_message
 from jaeger import trace_ids_equal as _same_trace
 from tracejoin.core.model import KIND_SERVER, Span
-from tracejoin.core.record import LRU_ENTRIES, REC_HTTP_FIXED_SIZE, RINGBUF_PAGES, HttpRecord
-from tracejoin.kernel.probes import ProbeConfig
+from tracejoin.core.record import (
+    LRU_ENTRIES,
+    REC_HTTP_FIXED_SIZE,
+    RINGBUF_PAGES,
+    WS_SLOTS,
+    HttpRecord,
+)
+from tracejoin.kernel.probes import OPTIONAL_SIGNALS, ProbeConfig
 
 pytestmark = pytest.mark.privileged
 
@@ -58,13 +67,15 @@ FULL = os.environ.get("TRACEJOIN_FULL_RELIABILITY") == "1"
 
 RINGBUF_BYTES = RINGBUF_PAGES * 4096
 RECORD_BYTES = ctypes.sizeof(HttpRecord)
-# each record has an 8-byte header; a record without work-set helpers is shorter
-# (REC_HTTP_FIXED_SIZE), so at most this many fit
+# each record has an 8-byte header; a record ends after the work-set helpers it reports (none:
+# REC_HTTP_FIXED_SIZE, four: RECORD_BYTES), so between these many fit
 RINGBUF_RECORDS = RINGBUF_BYTES // (REC_HTTP_FIXED_SIZE + 8)
+RINGBUF_RECORDS_MIN = RINGBUF_BYTES // (RECORD_BYTES + 8)
 MAX_BATCH = 512  # BatchExportQueue's default batch: at most one in flight besides the queue
-# spans of one request (server + receive-queue child + 4 run-queue children): spans_built counts
-# a request's spans before they are submitted, so a scrape may see them built but not queued
-SPANS_PER_REQUEST_MAX = 6
+# spans of one request (server + receive-queue child + 4 run-queue children + 4 work-set
+# helpers): spans_built counts a request's spans before they are submitted, so a scrape may see
+# them built but not queued
+SPANS_PER_REQUEST_MAX = 6 + WS_SLOTS
 
 
 def scaled(default: float, full: float) -> float:
@@ -173,7 +184,7 @@ def _wait_stable(
 
 
 def test_ring_buffer_losses_add_up_exactly(rel):
-    """Stall the reader so the 1 MiB ring buffer fills, then resume: every record the kernel
+    """Stall the reader so the ring buffer fills, then resume: every record the kernel
     submitted was either received or counted as ringbuf_full, exactly; every record received
     became a span or a counted user-side drop; every span was exported or counted as dropped."""
     agent, m = rel.agent, rel.agent.metrics
@@ -202,7 +213,9 @@ def test_ring_buffer_losses_add_up_exactly(rel):
     assert full > 0, "the stalled reader should have let the ring buffer fill"
     assert k2["ringbuf_full"] == k1["ringbuf_full"], "no loss after resuming"
     assert submitted == received + full, "submitted == received + ringbuf_full, exactly"
-    assert received <= RINGBUF_RECORDS + 1
+    # the reader was paused with the ring buffer empty: what fits in it survived (how many
+    # depends on how many work-set helpers each record reports)
+    assert RINGBUF_RECORDS_MIN <= received <= RINGBUF_RECORDS, (received, RINGBUF_RECORDS)
     # cumulatively too, over everything this agent has seen
     assert k2["records_submitted"] == m.get("records_received") + k2["ringbuf_full"]
 
@@ -225,10 +238,9 @@ def test_ring_buffer_losses_add_up_exactly(rel):
     assert built[0] == built[1] + built[2], built
     # and the self-metrics say so, under the documented names
     text = m.prometheus_text()
-    assert any(
-        line.startswith("tracejoin_kernel_ringbuf_full") and line.endswith(f" {k2['ringbuf_full']}")
-        for line in text.splitlines()
-    ), text
+    served = parse_prometheus(text)
+    assert served[("kernel_ringbuf_full", frozenset())] == k2["ringbuf_full"], text
+    assert "tracejoin_kernel_ringbuf_full_total " in text
 
 
 def _read_lines(proc: subprocess.Popen[str], out: queue.Queue[str]) -> None:
@@ -247,6 +259,20 @@ def _counter(counters: dict[str, float], name: str, **labels: str) -> float:
         if key.startswith(name + "{") and want <= set(key[len(name) + 1 : -1].split(",")):
             total += value
     return total
+
+
+def _wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """Until every thread of `pid` is in the stopped state (SIGSTOP is delivered per thread)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = set()
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                states.add((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        if states == {"T"}:
+            return
+        assert time.monotonic() < deadline, f"threads of {pid} not all stopped: {states}"
+        time.sleep(0.01)
 
 
 def test_capture_summary_reports_ring_buffer_losses(privileged, tmp_path):
@@ -279,6 +305,7 @@ def test_capture_summary_reports_ring_buffer_losses(privileged, tmp_path):
                 with contextlib.suppress(queue.Empty):
                     seen.append(lines.get(timeout=0.5))
             proc.send_signal(signal.SIGSTOP)
+            _wait_stopped(proc.pid)
             try:
                 keepalive_load(port, n, conns=4, prefix="/cap")
             finally:
@@ -301,6 +328,7 @@ def test_capture_summary_reports_ring_buffer_losses(privileged, tmp_path):
     assert submitted == n
     assert full > 0
     assert submitted == received + full
+    assert RINGBUF_RECORDS_MIN <= received <= RINGBUF_RECORDS, "stopped with it empty: what fits"
     # spans: every one built was written to the file or counted as dropped for it
     written = 0
     for line in (outdir / "spans.otlp.jsonl").read_text().splitlines():
@@ -316,7 +344,7 @@ def test_capture_summary_reports_ring_buffer_losses(privileged, tmp_path):
     # the summary, printed and saved, shows the kernel-side loss with its count
     summary = (outdir / "summary.txt").read_text()
     loss_lines = [ln for ln in summary.splitlines() if "ring buffer" in ln]
-    assert loss_lines and str(int(full)) in loss_lines[0], summary
+    assert loss_lines and re.search(rf"(?<![\d,.]){int(full)}(?![\d,.])", loss_lines[0]), summary
     assert loss_lines[0].strip() in output
 
 
@@ -448,21 +476,23 @@ def test_jaeger_outage_bounded_memory_and_exact_drops(privileged, tmp_path, monk
 # ------------------------------------------------------------------------------ 3. black hole
 
 
-@pytest.mark.parametrize(
-    "protocol", ["http/protobuf", pytest.param("grpc", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
 def test_blackholed_otlp_does_not_slow_reading_and_sigterm_ends_it(privileged, tmp_path, protocol):
     """The OTLP endpoint accepts and never answers: records are read from the kernel as fast as
-    requests come (no ring buffer loss), and SIGTERM still ends `tracejoin run` within 10 s."""
-    if protocol == "grpc" and not FULL:
-        pytest.skip("gRPC black hole: full form only (TRACEJOIN_FULL_RELIABILITY=1)")
+    requests come (no ring buffer loss), and SIGTERM still ends `tracejoin run` within its
+    documented bound (sigterm_bound_s: --shutdown-timeout + 1 s, plus slack for this host)."""
+    shutdown_timeout = 3.0
     port, mport = free_ports(2)
     args = ["--port", str(port), "--otlp-protocol", protocol]
     with (
         Blackhole() as bh,
         server("go", port) as srv,
         agent_process(
-            [*args, "--pid", str(srv.pid), "--otlp-endpoint", f"http://127.0.0.1:{bh.port}"],
+            [
+                *args,
+                *("--pid", str(srv.pid), "--shutdown-timeout", str(shutdown_timeout)),
+                *("--otlp-endpoint", f"http://127.0.0.1:{bh.port}"),
+            ],
             tmp_path,
             mport,
         ) as a,
@@ -490,63 +520,15 @@ def test_blackholed_otlp_does_not_slow_reading_and_sigterm_ends_it(privileged, t
         assert bh.accepted, "the exporter never even connected"
         t0 = time.monotonic()
         a.signal(signal.SIGTERM)
-        rc = a.wait(10)
+        rc = a.wait(30)
         took = time.monotonic() - t0
-    report(f"black hole ({protocol}): SIGTERM to exit {took:.2f}s")
-    assert rc == 0, a.log_tail()
-    assert took < 10
+    bound = sigterm_bound_s(shutdown_timeout)
+    report(f"black hole ({protocol}): SIGTERM to exit {took:.2f}s (bound {bound:.1f}s)")
+    assert rc == 0, a.log_tail()  # 3 would mean the watchdog had to end it
+    assert took <= bound, (took, a.log_tail())
 
 
 # ------------------------------------------------------------------------------ 4. kill loop
-
-
-def _children(pid: int) -> set[int]:
-    out: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            out |= {int(c) for c in (task / "children").read_text().split()}
-        except OSError:
-            continue
-    return out
-
-
-def _wait_released(
-    progs: set[int], maps: set[int], children: set[int], label: str, settle_s: float = 1.0
-) -> tuple[float, str | None, set[int]]:
-    """Wait (15 s at most) until none of these programs and maps is loaded; (seconds, note,
-    ids of the maps left and excused).
-
-    The first look comes `settle_s` after the exit: `bpftool map show` opens every map by id,
-    and doing that while a prog_array is being released races in the kernel (see
-    docs/reliability.md, Known gaps). What is still loaded after 15 s fails the test, except an
-    object another process holds (its own reference, e.g. an inspector's) and a `progs`
-    prog_array no process holds once every program is gone (that kernel race, triggered by
-    someone else's inspection): those are noted and printed.
-    """
-    time.sleep(settle_s)
-    t0 = time.monotonic()
-    while True:
-        loaded_progs, loaded_maps = loaded_bpf_ids()
-        left_p = progs & loaded_progs.keys()
-        left_m = maps & loaded_maps.keys()
-        if not left_p and not left_m:
-            return settle_s + time.monotonic() - t0, None, set()
-        if time.monotonic() - t0 > 15:
-            break
-        time.sleep(0.2)
-    holders = bpf_holders(left_p, left_m)
-    names = {f"prog {p}": loaded_progs[p] for p in left_p}
-    names |= {f"map {m}": loaded_maps[m] for m in left_m}
-    ours = [h for hs in holders.values() for h in hs if int(h.split()[0]) in children]
-    assert not ours, f"{label}: the agent's child processes hold {names}: {ours}"
-    orphans = [k for k in names if k not in holders]
-    kernel_race = [k for k in orphans if k.startswith("map ") and names[k] == "progs"]
-    assert not (set(orphans) - set(kernel_race)) and not (kernel_race and left_p), (
-        f"{label}: still loaded 15 s after exit, held by no process: "
-        f"{ {k: names[k] for k in orphans} }"
-    )
-    note = f"{label}: {names} held by {holders or 'none (prog_array release race)'}"
-    return 15.0, note, left_m
 
 
 def _traffic(port: int, stop: threading.Event, errors: list[str]) -> None:
@@ -564,20 +546,25 @@ def _traffic(port: int, stop: threading.Event, errors: list[str]) -> None:
             time.sleep(0.1)
 
 
+KILL_LOOP_SHUTDOWN_S = 3.0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800 if FULL else 240)
 def test_kill_loop_leaves_nothing_loaded(privileged, tmp_path):
     """SIGKILL and SIGTERM `tracejoin run` under traffic, alternately (2+2; full: 50+50): each
     start gets ready and sees traffic; after each exit no BPF program or map it held is still
-    loaded (BPF objects are reference-counted by fds: SIGKILL closes them all)."""
+    loaded (BPF objects are reference-counted by fds: SIGKILL closes them all), but for the
+    kernel's prog_array race, excused only by name and with no holder (wait_bpf_released)."""
     cycles = int(scaled(4, 100))
     port = free_ports(1)[0]
     before_progs, before_maps = loaded_bpf_ids()
     owned_progs: set[int] = set()
     owned_maps: set[int] = set()
+    per_agent: set[tuple[int, int]] = set()
     ready_s: list[float] = []
+    sigterm_s: list[float] = []
     gone_s: list[float] = []
-    notes: list[str] = []
     excused: set[int] = set()
     stop, errors = threading.Event(), []
     with server("go", port) as srv:
@@ -595,6 +582,8 @@ def test_kill_loop_leaves_nothing_loaded(privileged, tmp_path):
                         str(srv.pid),
                         "--spans-file",
                         str(tmp_path / "s"),
+                        "--shutdown-timeout",
+                        str(KILL_LOOP_SHUTDOWN_S),
                     ],
                     tmp_path,
                     mport,
@@ -606,37 +595,35 @@ def test_kill_loop_leaves_nothing_loaded(privileged, tmp_path):
                     assert progs and maps, "the running agent holds its programs and maps"
                     owned_progs |= progs
                     owned_maps |= maps
-                    children = _children(a.pid)
+                    per_agent.add((len(progs), len(maps)))
+                    t0 = time.monotonic()
                     a.signal(sig)
-                    rc = a.wait(10)
+                    rc = a.wait(30)
+                    exit_s = time.monotonic() - t0
                 finally:
                     a.kill()
                 assert rc == (0 if sig == signal.SIGTERM else -signal.SIGKILL), a.log_tail()
-                took, note, left = _wait_released(
-                    progs, maps - excused, children, f"cycle {i} ({sig.name})"
-                )
+                if sig == signal.SIGTERM:
+                    sigterm_s.append(exit_s)
+                    assert exit_s <= sigterm_bound_s(KILL_LOOP_SHUTDOWN_S), (exit_s, a.log_tail())
+                took, left = wait_bpf_released(progs, maps, f"cycle {i} ({sig.name})")
                 gone_s.append(took)
                 excused |= left
-                if note:
-                    notes.append(note)
         finally:
             stop.set()
             traffic.join(timeout=5)
     # compared with the set before the loop: every id the agents held was new, and none of
     # them is loaded now
     assert not owned_progs & before_progs.keys() and not owned_maps & before_maps.keys()
-    _, note, _ = _wait_released(
-        owned_progs, owned_maps - excused, set(), "after the loop", settle_s=0
-    )
-    if note:
-        notes.append(note)
-    assert not errors, errors[:3]
+    wait_bpf_released(owned_progs, owned_maps - excused, "after the loop", settle_s=0)
     assert not errors, errors[:3]
     report(
         f"kill loop: {cycles} cycles, ready in {min(ready_s):.1f}-{max(ready_s):.1f}s, "
-        f"{len(owned_progs)} programs and {len(owned_maps)} maps loaded and released, "
-        f"all released within {max(gone_s, default=0):.1f}s of exit"
-        + (f"; notes: {notes}" if notes else "")
+        f"SIGTERM to exit {min(sigterm_s):.2f}-{max(sigterm_s):.2f}s, "
+        f"(programs, maps) per agent {sorted(per_agent)}, {len(owned_progs)} programs and "
+        f"{len(owned_maps)} maps loaded and released, each agent's gone "
+        f"{min(gone_s):.1f}-{max(gone_s):.1f}s after its exit (first look at 1.0s); "
+        f"{len(excused)} prog_array(s) excused"
     )
 
 
@@ -726,8 +713,10 @@ def test_churn_stays_within_lru_bounds_and_never_misattributes(rel):
     )
     assert not problems, problems[:5]
     assert len(spans) == len(seen), "a request produced two spans"
+    assert sizes.keys() == {"conns", "reqs", "threads"}, sizes  # each map really sampled
     for name in ("conns", "reqs", "threads"):
-        assert sizes.get(name, 0) <= LRU_ENTRIES, sizes
+        assert sizes[name] <= LRU_ENTRIES, sizes
+    assert sizes["conns"] >= n_idle, "the idle connections are in `conns`"
     if n_idle >= 8_500 and FULL:
         # (an LRU hash map evicts a little before it is completely full)
         assert sizes["conns"] > LRU_ENTRIES * 0.98, "the idle connections should fill `conns`"
@@ -933,7 +922,8 @@ def test_no_pmu_flush_fallback_and_the_rest_works(rel):
         assert status.tlb_mode == "hardware"
         pytest.skip("this host has a PMU: hardware TLB counters are in use, not the fallback")
     assert status.tlb_mode == "flush_fallback"
-    assert all(state == "on" for state in status.signals.values()), status.signals
+    every = {sig.name for sig in OPTIONAL_SIGNALS} | {"page_faults"}
+    assert status.signals == dict.fromkeys(every, "on"), status.signals
     sent = keepalive_load(rel.go_port, 5, prefix="/nopmu")
     agent.wait_for(lambda _s: len(_server_spans(agent, "/nopmu/")) >= 5, 10)
     spans = _server_spans(agent, "/nopmu/")
@@ -944,8 +934,8 @@ def test_no_pmu_flush_fallback_and_the_rest_works(rel):
         assert "tracejoin.tlb.dtlb_load_misses" not in sp.attributes
         assert dict(sp.resource.attributes)["tracejoin.tlb.mode"] == "flush_fallback"
         assert "tracejoin.sched.runq_wait_ns" in sp.attributes
-    text = agent.metrics.prometheus_text()
-    assert 'tracejoin_probe_mode{signal="tlb_flush_fallback"} 1' in text, text
+    served = parse_prometheus(agent.metrics.prometheus_text())
+    assert served[("probe_mode", frozenset({("signal", "tlb_flush_fallback")}))] == 1
 
 
 # ------------------------------------------------------------------------------ bugs found here
@@ -968,11 +958,6 @@ def test_port_filter_covers_connections_from_before(rel):
     assert submitted == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: when 8 requests are open on a connection, the rest of that read is skipped "
-    "and pipeline_slots_full counts 1, not one per request lost (docs/reliability.md)",
-)
 def test_pipelined_requests_beyond_the_limit_are_each_counted(rel):
     """20 pipelined requests in one write: every one becomes a span or is counted in
     pipeline_slots_full."""

@@ -16,6 +16,7 @@ import psutil
 import pytest
 from kubelet_fake import CID, CID2, POD_LIST, UID, FakeKubelet, containerd, pod
 from tracejoin import __version__
+from tracejoin.app import build_agent, kubelet_client
 from tracejoin.config import ConfigError, Settings
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import Resource
@@ -24,7 +25,6 @@ from tracejoin.enrich.resources import (
     REVALIDATE_S,
     ProcessFacts,
     ResourceResolver,
-    kubelet_client,
     read_process_facts,
 )
 
@@ -172,8 +172,10 @@ def test_bad_resource_attributes_and_kubelet_url_are_config_errors(
 ) -> None:
     for bad in ("oops", "k=v,=x", "a=b, novalue"):
         monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", bad)
-        with pytest.raises(ConfigError, match="OTEL_RESOURCE_ATTRIBUTES: expected key=value"):
+        with pytest.raises(ValueError, match="OTEL_RESOURCE_ATTRIBUTES: expected key=value"):
             resolver(Procs())
+        with pytest.raises(ConfigError, match="OTEL_RESOURCE_ATTRIBUTES: expected key=value"):
+            build_agent(Settings(gpu=False), Metrics(), [])
     monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES")
     with pytest.raises(ConfigError, match=r"kubelet_url \(--kubelet-url\).*NODE_NAME"):
         kubelet_client(Settings(kubelet_url="https://${NODE_NAME}:10250/pods"))
@@ -284,17 +286,20 @@ def test_pod_metadata_arrives_in_the_background(kubelet: FakeKubelet) -> None:
     metrics = Metrics()
     procs = Procs({100: in_pod("python3"), 101: in_pod("envoy", CID2)})
     r = resolver(procs, kubelet=kubelet, metrics=metrics, clock=time.monotonic)  # type: ignore[arg-type]
-    r.start()
+    scheduled, kubelet.doc = kubelet.doc, {"kind": "PodList", "items": []}
+    r.start()  # the start-up sync reads the (empty) list
     try:
+        assert metrics.get("kubelet_refreshes") == 1
+        kubelet.doc = scheduled  # the pod starts after the agent
         res = attrs(r.resource(100))
         # meanwhile: what the cgroup gives, and nothing invented
         assert res["container.id"] == CID and res["k8s.pod.uid"] == UID
         assert "k8s.pod.name" not in res and res["service.name"] == "python3"
-        wait_for(lambda: metrics.get("kubelet_refreshes") == 1, "the pod list")
+        wait_for(lambda: metrics.get("kubelet_refreshes") == 2, "the pod list")
         assert attrs(r.resource(100)).items() >= CHECKOUT_K8S.items()
         assert attrs(r.resource(101))["k8s.container.name"] == "istio-proxy"
-        assert len(kubelet.requests) == 1  # the second container came from the same list
-        assert "Authorization" not in kubelet.requests[0]  # never a token over plain http
+        assert len(kubelet.requests) == 2  # the second container came from the same list
+        assert "Authorization" not in kubelet.requests[1]  # never a token over plain http
         assert metrics.get("k8s_resolved", result="container") == 1
         assert metrics.get("k8s_resolved", result="pod") == 2
     finally:
@@ -306,7 +311,7 @@ def test_a_slow_kubelet_never_delays_a_lookup(kubelet: FakeKubelet) -> None:
     metrics = Metrics()
     procs = Procs({100: in_pod("python3")})
     r = resolver(procs, kubelet=kubelet, metrics=metrics, clock=time.monotonic, timeout_s=10)  # type: ignore[arg-type]
-    r.start()
+    r.start(sync_timeout_s=0)  # lookups while the first list is still on its way
     try:
         assert "k8s.pod.name" not in attrs(r.resource(100))
         wait_for(kubelet.arrived.is_set, "the kubelet request")
@@ -325,7 +330,7 @@ def test_lookups_never_block_on_a_hung_kubelet(kubelet: FakeKubelet) -> None:
     kubelet.mode = "hang"
     procs = Procs({100: in_pod("python3"), 200: in_pod("envoy", CID2)})
     r = resolver(procs, kubelet=kubelet, clock=time.monotonic, timeout_s=60)  # type: ignore[arg-type]
-    r.start()
+    r.start(sync_timeout_s=0.5)  # start-up's wait is bounded too
     results: list[Resource] = []
 
     def lookups() -> None:

@@ -18,10 +18,11 @@ from click.testing import CliRunner
 from harness import free_ports, new_traceparent, server
 from tracejoin.commands.cli import main
 
-# The payload: OSC 52 (write the clipboard), then clear the screen, then a C1 CSI.
-HOSTILE_PATH = b"/\x1b]52;c;aGVsbG8=\x07\x1b[2J\xc2\x9b31m"
-ENCODED_PATH = "/%1B]52;c;aGVsbG8=%07%1B[2J%C2%9B31m"
-HOSTILE_METHOD = b"DELE\x1bc"  # passes today's 4-byte method_at check in the kernel
+# clear screen, bell, reset, a C1 CSI; then an OSC 52 clipboard write, whose ";c;..." the kernel
+# drops with the rest of the segment's ;params (url.path is the path only)
+HOSTILE_PATH = b"/\x1b[2J\x07\x1bc\xc2\x9b31m/\x1b]52;c;aGVsbG8=\x07"
+ENCODED_PATH = "/%1B[2J%07%1Bc%C2%9B31m/%1B]52"
+HOSTILE_METHOD = b"DELE\x1bc"  # the kernel checks a method whole: this opens no request
 
 
 def assert_inert(what: str, data: bytes) -> None:
@@ -62,7 +63,6 @@ def spans_by_trace(path: Path) -> dict[str, dict[str, object]]:
 def test_hostile_method_and_path_never_reach_a_terminal_raw(
     require_root: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tracejoin.app import probe_config
     from tracejoin.commands.capture import run_capture
     from tracejoin.config import Settings
 
@@ -96,7 +96,7 @@ def test_hostile_method_and_path_never_reach_a_terminal_raw(
     worker = threading.Thread(target=traffic, daemon=True)
     with server("threaded", port) as srv:
         s = Settings(pid=(srv.pid,), port=(port,), duration=3.0, output_dir=tmp_path)
-        rc = run_capture(s, probe_config(s), printed, on_ready=worker.start)
+        rc = run_capture(s, printed, on_ready=worker.start)
         worker.join(10)
     assert not errors, errors
     assert rc == 0, printed.getvalue()

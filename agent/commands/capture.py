@@ -37,6 +37,7 @@ from tracejoin.commands.summary import (
     Summary,
 )
 from tracejoin.config import Settings
+from tracejoin.core.files import open_private, write_private
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import Span
 from tracejoin.core.text import terminal_safe
@@ -156,10 +157,11 @@ def _capture(
         s, metrics, destinations, source=source, gpu_sampler=gpu_sampler, observers=[on_spans]
     )
     try:
-        outdir.mkdir(parents=True, exist_ok=True)
+        outdir.mkdir(mode=0o700, parents=True, exist_ok=True)
         for name in CAPTURE_FILES:  # never mix the files of two captures
             (outdir / name).unlink(missing_ok=True)
-        spans_path.touch()  # present (and empty) even when nothing is captured
+        # present (and empty) even when nothing is captured; 0600, never through a symlink
+        open_private(spans_path).close()
     except OSError as exc:  # before the probes load: nothing is lost
         print(f"tracejoin: cannot write the capture to {outdir}: {exc}", file=sys.stderr)
         return 1
@@ -193,7 +195,7 @@ def _capture(
             if s.duration is not None and elapsed >= s.duration:
                 break
             try:
-                agent.kernel_counters()
+                agent.refresh_metrics()
                 if gpu is not None:
                     perfetto.add_gpu_samples(gpu.histories())
             except Exception:  # counted and logged; the capture goes on (principle 5)
@@ -249,7 +251,7 @@ def _capture(
         (CAPTURE_FILE, json.dumps({**summary.info, "requests": requests}, indent=2) + "\n"),
     ):
         try:
-            (outdir / name).write_text(content)
+            write_private(outdir / name, content)
         except OSError as exc:
             failed.append(f"{name}: {exc}")
     con.line()

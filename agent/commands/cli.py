@@ -10,10 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import click
-from click.core import ParameterSource
 from tracejoin import __version__
 from tracejoin.app import probe_config
-from tracejoin.config import ConfigError, Settings, SourcedOption, apply_options, load_file
+from tracejoin.config import ConfigError, Settings, apply_options, config_file_option
 from tracejoin.core.metrics import Metrics
 from tracejoin.kernel.probes import ProbeError
 
@@ -93,7 +92,7 @@ def capture(**params: Any) -> None:
     """
     from tracejoin.commands.capture import run_capture
 
-    s = Settings.from_params(params)
+    s = Settings.from_click(click.get_current_context(), params)
     _require_root()
     sys.exit(run_capture(s))
 
@@ -101,25 +100,8 @@ def capture(**params: Any) -> None:
 # ------------------------------------------------------------------------------- run
 
 
-def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
-    if value:
-        ctx.default_map = load_file(Path(value), "run")
-    return value
-
-
 @main.command()
-@click.option(
-    "--config",
-    "config_file",
-    cls=SourcedOption,
-    type=click.Path(exists=True, dir_okay=False),
-    callback=_load_config,
-    is_eager=True,
-    expose_value=False,
-    envvar="TRACEJOIN_CONFIG",
-    help="YAML file of settings (keys as the flags, with underscores). "
-    "Flags > environment > file > defaults. [env: TRACEJOIN_CONFIG]",
-)
+@config_file_option("run")
 @click.option(
     "--spans-file",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -135,18 +117,7 @@ def run(spans_file: Path | None, **params: Any) -> None:
     --shutdown-timeout, and be gone at most 1 s after it (a second signal exits at once)."""
     from tracejoin.commands.run import run_daemon
 
-    ctx = click.get_current_context()
-    # _otlp_destination passes these settings as overrides, which outrank every OTEL_*
-    # variable: drop a value that came from the config file when the environment has the
-    # signal-specific variable, so that environment > file holds for it too.
-    for key, variable in (
-        ("otlp_endpoint", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
-        ("otlp_protocol", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"),
-    ):
-        from_file = ctx.get_parameter_source(key) is ParameterSource.DEFAULT_MAP
-        if from_file and os.environ.get(variable, "").strip():
-            params[key] = None
-    s = Settings.from_params(params)
+    s = Settings.from_click(click.get_current_context(), params)
     _require_root()
     code = run_daemon(s, spans_file)
     # Everything is flushed or counted as dropped by now. Skip the interpreter's teardown:
@@ -188,7 +159,7 @@ def ebpf(**params: Any) -> None:
     """Print the BPF C and the compiler flags exactly as they would be loaded."""
     from tracejoin.kernel.probes import HttpProbes
 
-    s = Settings.from_params(params)
+    s = Settings.from_click(click.get_current_context(), params)
     try:
         src, flags = HttpProbes(probe_config(s), Metrics()).render()
     except ProbeError as exc:

@@ -23,69 +23,11 @@ from tracejoin.commands.health import HealthServer
 from tracejoin.commands.signals import Stop, stop_on_signals
 from tracejoin.config import ConfigError, Settings
 from tracejoin.core.metrics import Metrics
-from tracejoin.enrich import traceparent
-from tracejoin.kernel.decode import KERNEL_COUNTERS
 from tracejoin.kernel.probes import ProbeError
 
 log = logging.getLogger(__name__)
 HARD_EXIT_GRACE_S = 1.0
 EXIT_OK, EXIT_START_FAILED, EXIT_HARD = 0, 2, 3
-
-_KERNEL_HELP = {
-    "records_submitted": "Records the kernel tried to put in the ring buffer.",
-    "ringbuf_full": "Records lost in the kernel: the ring buffer had no room.",
-    "pipeline_slots_full": "Requests not tracked: too many pipelined on one connection.",
-    "non_http_connections": "Connections whose first read was not HTTP/1.x.",
-    "request_state_lost": "Request state evicted from the kernel's LRU map before its response.",
-    "read_copy_failed": "Request buffers the kernel could not copy from user memory.",
-}
-
-
-def declare_metrics(metrics: Metrics, exporters: list[str]) -> None:
-    """HELP for every self-metric, and a zero for every counter series known up front, so
-    dashboards and rate() see each series from the first scrape (docs/attributes.md)."""
-    for name, text in _KERNEL_HELP.items():
-        metrics.describe("kernel_" + name, text, kind="counter")
-    for name in KERNEL_COUNTERS.values():
-        if name not in _KERNEL_HELP:
-            metrics.describe("kernel_" + name, "Kernel-side counter " + name, kind="counter")
-        metrics.set("kernel_" + name, 0)  # until the probes are loaded and read
-    metrics.describe(
-        "probe_mode",
-        "1 when a signal's probes are loaded, 0 when it is off; tlb_<mode> is the TLB signal "
-        "in use (tlb_hardware, tlb_flush_fallback or tlb_off).",
-    )
-    metrics.describe("probes_loaded", "1 once the BPF programs are attached.")
-    metrics.describe("probe_load_seconds", "Seconds compiling and attaching the BPF programs.")
-    metrics.describe("ready", "1 while /readyz answers 200.")
-    metrics.describe("build_info", "Always 1; the version label is tracejoin's.")
-    for name, text in (
-        ("records_received", "Records read from the kernel ring buffer."),
-        ("spans_built", "Spans built (server and child spans)."),
-        ("traceparent_rejected", "Requests whose traceparent broke the W3C rules, by reason."),
-        ("requests_unsampled", "Requests whose caller did not sample them (no span)."),
-        ("records_dropped_userspace", "Records read but not turned into spans, by reason."),
-    ):
-        metrics.describe(name, text)
-    metrics.describe("decode_errors", "Ring-buffer records that could not be decoded, by reason.")
-    metrics.describe("reader_errors", "Ring-buffer polls that raised (the reader goes on).")
-    metrics.set("build_info", 1, version=__version__)
-    metrics.set("ready", 0)
-    metrics.set("probes_loaded", 0)
-    for name in ("records_received", "spans_built", "requests_unsampled", "reader_errors"):
-        metrics.inc(name, 0)
-    for reason in traceparent.REASONS:
-        metrics.inc("traceparent_rejected", 0, reason=reason)
-    for reason in ("undecodable", "build_error"):
-        metrics.inc("records_dropped_userspace", 0, reason=reason)
-    for reason in ("empty", "unknown_type", "short"):
-        metrics.inc("decode_errors", 0, reason=reason)
-    for exporter in exporters:
-        metrics.inc("spans_exported", 0, exporter=exporter)
-        metrics.inc("export_retries", 0, exporter=exporter)
-        metrics.inc("export_failures", 0, exporter=exporter)
-        for reason in ("queue_full", "export_failed", "rejected", "shutdown"):
-            metrics.inc("spans_dropped", 0, exporter=exporter, reason=reason)
 
 
 def final_counters(metrics: Metrics) -> dict[str, int]:
@@ -130,7 +72,7 @@ def hard_exit(code: int, why: str) -> None:
 def run_daemon(s: Settings, spans_file: Path | None) -> int:
     metrics = Metrics()
     destinations = run_destinations(s, metrics, spans_file)
-    declare_metrics(metrics, [d.name for d in destinations if d.name])
+    metrics.set("build_info", 1, version=__version__)
     agent = build_agent(s, metrics, destinations)
 
     health = None
@@ -196,7 +138,7 @@ def _run(
         )
         while not stop.event.wait(1.0):
             try:
-                agent.kernel_counters()
+                agent.refresh_metrics()
             except Exception:
                 log.exception("reading kernel counters failed")
 
@@ -222,4 +164,4 @@ def _run(
     return EXIT_OK
 
 
-__all__ = ["declare_metrics", "run_daemon"]
+__all__ = ["run_daemon"]

@@ -1,113 +1,447 @@
-"""Self-metrics: monotonically increasing counters and last-value gauges, with labels.
+"""Self-metrics: every metric tracejoin has, declared once in METRICS, exposed through
+prometheus_client.
 
-One Metrics object is shared by every stage; each stage only adds to its own names. Reads
-(`snapshot`) take the lock; increments are cheap enough for the per-request path.
+A stage counts with `metrics.inc("records_received")` or `metrics.set("ready", 1)`. A name that
+is not in METRICS, a label it does not declare, or a value outside a label's declared set
+raises, so a typo is an error rather than a new series. Every series whose label values are all
+known up front starts at 0 (Prometheus' rate() and dashboards then see it from the first
+scrape); series with an open label (an exporter's name) are started by their owner with
+`declare`.
 
-Names are kept without a unit suffix (`records_received`); the Prometheus rendering adds
-`_total` to counters (docs/attributes.md, "Self-metrics"). A value kept elsewhere as a running
-total and copied in with `set` (the kernel's counters) is declared with
-`describe(..., kind="counter")` so it is exposed as the counter it is.
+Names carry no unit suffix and no `_total`: prometheus_client appends `_total` to a counter
+when it renders it, so `records_received` is served as `tracejoin_records_received_total`
+(the full list is docs/attributes.md, "Self-metrics"; a test keeps the two equal).
+
+Cost: `inc` is on the per-request path. The first use of a (name, labels) pair is checked and
+its series cached under the call's own key; later calls are one dict lookup and one locked add.
+prometheus_client's own Counter.labels().inc() costs several times that, so the values live
+here and a collector hands them to prometheus_client at scrape time. The same collector exposes
+the kernel's counters, which are running totals copied in with `set`, as the counters they are.
 """
 
 from __future__ import annotations
 
-import math
+import itertools
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
 
-Labels = tuple[tuple[str, str], ...]
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric as _Family
+from prometheus_client.registry import Collector
+from tracejoin.core.record import KERNEL_COUNTER_HELP, KERNEL_COUNTERS
+
+PREFIX = "tracejoin_"
+Kind = Literal["counter", "gauge"]
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One self-metric. `values` closes a label to the listed values (checked on use; series
+    over closed labels only start at 0). A label not in `values` is open (a device index, an
+    exporter's name). `copied`: a counter kept elsewhere (the kernel's per-CPU map) whose
+    running total is copied in with `set`; it is never `inc`remented."""
+
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    values: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    copied: bool = False
+
+    @property
+    def exposed(self) -> str:
+        """The name /metrics serves."""
+        return PREFIX + self.name + ("_total" if self.kind == "counter" else "")
+
+
+def counter(
+    name: str,
+    help: str,
+    *labels: str,
+    values: Mapping[str, tuple[str, ...]] | None = None,
+    copied: bool = False,
+) -> Metric:
+    return Metric(name, "counter", help, labels, dict(values or {}), copied)
+
+
+def gauge(
+    name: str, help: str, *labels: str, values: Mapping[str, tuple[str, ...]] | None = None
+) -> Metric:
+    return Metric(name, "gauge", help, labels, dict(values or {}))
+
+
+# Label value sets owned by other modules; tests/test_metrics.py checks each against its owner.
+TRACEPARENT_REASONS = (  # tracejoin.enrich.traceparent.REASONS
+    "duplicate",
+    "truncated",
+    "too_long",
+    "bad_version",
+    "uppercase",
+    "malformed",
+    "zero_trace_id",
+    "zero_parent_id",
+    "beyond_scan_window",
+)
+PROBE_SIGNALS = (  # tracejoin.kernel.probes: OPTIONAL_SIGNALS, page_faults, tlb_<tlb_mode>
+    "recvq",
+    "tuple_at_read",
+    "tcp_stats",
+    "sched",
+    "tlb_flush",
+    "workset",
+    "page_faults",
+    "tlb_hardware",
+    "tlb_flush_fallback",
+    "tlb_off",
+)
+SPAN_DROP_REASONS = ("queue_full", "export_failed", "rejected", "shutdown")  # exporters.queue
+
+METRICS: tuple[Metric, ...] = (
+    # kernel -> reader
+    counter("records_received", "Records read from the kernel ring buffer."),
+    # the kernel's own counters, copied in: names and help from the C<->Python contract
+    *(
+        counter("kernel_" + n, KERNEL_COUNTER_HELP[n].rstrip(".") + ".", copied=True)
+        for n in KERNEL_COUNTERS.values()
+    ),
+    counter(
+        "decode_errors",
+        "Ring-buffer records that could not be decoded, by reason.",
+        "reason",
+        values={"reason": ("empty", "unknown_type", "short")},
+    ),
+    counter(
+        "records_dropped_userspace",
+        "Records read but not turned into spans, by reason.",
+        "reason",
+        values={"reason": ("undecodable", "build_error")},
+    ),
+    counter("reader_errors", "Ring-buffer polls that raised (the reader goes on)."),
+    # enrich -> spans
+    counter(
+        "traceparent_rejected",
+        "Requests whose traceparent broke the W3C rules, by reason (their span is a new root).",
+        "reason",
+        values={"reason": TRACEPARENT_REASONS},
+    ),
+    counter(
+        "requests_unsampled",
+        "Requests whose caller did not sample them (no span with --unsampled follow).",
+    ),
+    counter("spans_built", "Spans built, server and child spans."),
+    counter(
+        "gpu_join_early",
+        "Spans joined to GPU samples before the sampler covered their end (too many held).",
+    ),
+    counter("gpu_join_errors", "GPU joins that raised (the span is sent without GPU attributes)."),
+    counter("observer_errors", "Span observers (the capture's summary) that raised; spans go on."),
+    # export, per destination
+    counter("spans_exported", "Spans the destination accepted.", "exporter"),
+    counter(
+        "spans_dropped",
+        "Spans lost after they were built, by destination and reason.",
+        "exporter",
+        "reason",
+        values={"reason": SPAN_DROP_REASONS},
+    ),
+    counter("export_retries", "Export attempts repeated after a retryable failure.", "exporter"),
+    counter(
+        "export_failures",
+        "Batches given up on (permanent failure, or retries used up).",
+        "exporter",
+    ),
+    # the agent
+    gauge(
+        "probe_mode",
+        "1 when a signal's probes are loaded, 0 when it is off (the log says why); "
+        "of the tlb_* series, the one at 1 is the TLB signal in use.",
+        "signal",
+        values={"signal": PROBE_SIGNALS},
+    ),
+    gauge("probes_loaded", "1 while the BPF programs are attached."),
+    gauge("probe_load_seconds", "Seconds compiling and attaching the BPF programs."),
+    gauge("ready", "1 while /readyz answers 200."),
+    gauge("build_info", "Always 1; the version label is tracejoin's.", "version"),
+    counter(
+        "process_cpu_seconds",
+        "CPU time (user + system) the agent process itself has used (psutil), read at each scrape.",
+        copied=True,
+    ),
+    gauge(
+        "process_resident_memory_bytes",
+        "Resident memory of the agent process itself (psutil), read at each scrape.",
+    ),
+    counter(
+        "metrics_server_connections_dropped",
+        "Connections to the metrics port closed unanswered: open longer than the per-connection "
+        "deadline (timeout), the oldest of the busiest peer when too many were open "
+        "(over_limit), a request head over 8 KiB (head_too_large).",
+        "reason",
+        values={"reason": ("timeout", "over_limit", "head_too_large")},
+    ),
+    counter(
+        "proc_reads_failed",
+        "Reads of another process's /proc files that failed: denied (a capability the agent "
+        "was not granted; the first of each kind is logged naming it) or gone (the process or "
+        "fd went away).",
+        "what",
+        "reason",
+        values={"what": ("fd", "netns", "exe"), "reason": ("denied", "gone")},
+    ),
+    counter(
+        "capture_tick_errors",
+        "Capture ticks (kernel counters, GPU samples for the timeline) that raised; "
+        "the capture goes on.",
+    ),
+    # Kubernetes
+    counter(
+        "k8s_resolved",
+        "Process resources built (a new process, or its metadata changed), by what was "
+        "found: pod (kubelet metadata), container (cgroup only), host (not in a container).",
+        "result",
+        values={"result": ("pod", "container", "host")},
+    ),
+    counter(
+        "resource_pid_reused",
+        "Cached process resources replaced because their pid now belongs to a process "
+        "with another start time.",
+    ),
+    counter(
+        "resource_process_gone",
+        "Served processes that had exited before /proc could be read (their spans say "
+        "service.name unknown_service).",
+    ),
+    counter("kubelet_refreshes", "Pod lists read from the kubelet."),
+    counter(
+        "kubelet_errors",
+        "Kubelet pod-list requests that failed, by reason: connect, timeout, tls, redirect "
+        "(refused: the token never follows one), parse, or the HTTP status as http_503 and "
+        "the like.",
+        "reason",
+    ),
+    gauge("kubelet_pods", "Pods in the last pod list read from the kubelet."),
+    counter(
+        "kubelet_pods_invalid",
+        "Pod-list items skipped as malformed (not an object, or no uid, name or namespace).",
+    ),
+    counter(
+        "kubelet_uid_mismatch",
+        "Kubelet answers not adopted: the pod that the pod list gives a container id is not "
+        "the pod UID in that container's cgroup path.",
+    ),
+    # GPU sampler
+    gauge("gpu_nvml_available", "1 if NVML opened and at least one GPU is sampled."),
+    gauge(
+        "gpu_sampler_running",
+        "1 while the GPU sampler thread runs (0 with --no-gpu or without NVML).",
+    ),
+    gauge("gpu_devices", "GPUs the sampler opened."),
+    gauge("gpu_device_lost", "1 for a GPU that NVML reported lost.", "device"),
+    gauge(
+        "gpu_field_unsupported",
+        "1 for each device field skipped as unsupported.",
+        "device",
+        "field",
+    ),
+    counter("gpu_samples", "Sampler ticks recorded, per device.", "device"),
+    counter(
+        "gpu_invalid_samples",
+        "NVML samples dropped for out-of-range values.",
+        "device",
+        "field",
+    ),
+    counter("gpu_nvml_calls", "NVML calls made by the sampler, per function.", "function"),
+    counter(
+        "gpu_nvml_call_seconds",
+        "Seconds spent in NVML calls, per function (divided by calls: mean latency).",
+        "function",
+    ),
+    counter(
+        "gpu_nvml_errors",
+        "NVML calls that failed (retried next tick), per function and error.",
+        "function",
+        "error",
+    ),
+    counter("gpu_sampler_overruns", "Sampler ticks that took longer than the interval."),
+    counter("gpu_sampler_errors", "Unexpected errors while sampling a device."),
+)
+
+_DECLARED: dict[str, Metric] = {m.name: m for m in METRICS}
+
+
+class _Series:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: float = 0
 
 
 class Metrics:
+    """The values of METRICS for one agent (tests make many), in a registry of its own."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counters: dict[tuple[str, Labels], float] = {}
-        self._gauges: dict[tuple[str, Labels], float] = {}
-        self._help: dict[str, str] = {}
-        self._kind: dict[str, str] = {}
+        # name -> label values in declared order -> series
+        self._series: dict[str, dict[tuple[str, ...], _Series]] = {n: {} for n in _DECLARED}
+        # (name, *labels.items()) as the caller wrote them -> series, checked on first use
+        self._inc: dict[tuple[object, ...], _Series] = {}
+        self._set: dict[tuple[object, ...], _Series] = {}
+        for m in METRICS:
+            if all(label in m.values for label in m.labels):
+                self.declare(m.name)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_Collector(self))
 
-    def describe(self, name: str, help_text: str, kind: str | None = None) -> None:
-        """Help text for `name`; kind="counter" exposes a `set` value as a counter."""
-        if kind not in (None, "counter", "gauge"):
-            raise ValueError(f"kind must be 'counter' or 'gauge', not {kind!r}")
-        self._help[name] = help_text
-        if kind is not None:
-            self._kind[name] = kind
+    # -- writing (the hot path) --------------------------------------------------------------
 
     def inc(self, name: str, value: float = 1, **labels: str) -> None:
-        key = (name, tuple(sorted(labels.items())))
+        """Add to a counter."""
+        series = self._inc.get((name, *labels.items()))
+        if series is None:
+            series = self._resolve("inc", name, labels)
         with self._lock:
-            self._counters[key] = self._counters.get(key, 0) + value
+            series.value += value
 
     def set(self, name: str, value: float, **labels: str) -> None:
-        key = (name, tuple(sorted(labels.items())))
-        with self._lock:
-            self._gauges[key] = value
+        """Set a gauge, or a counter kept elsewhere (`copied`) to its running total."""
+        series = self._set.get((name, *labels.items()))
+        if series is None:
+            series = self._resolve("set", name, labels)
+        # one store, atomic under the GIL; no inc can interleave: a series is one or the other
+        series.value = value
+
+    def declare(self, name: str, **labels: str) -> None:
+        """Start at 0 every series of `name` with these label values and each declared value
+        of its other labels (they must all be closed)."""
+        m = _metric(name)
+        _check_names(m, labels, exact=False)
+        free = [label for label in m.labels if label not in labels]
+        if open_ := [label for label in free if label not in m.values]:
+            raise ValueError(f"{name}: declare needs a value for {', '.join(open_)}")
+        for combo in itertools.product(*(m.values[label] for label in free)):
+            self._series_for(m, {**labels, **dict(zip(free, combo, strict=True))})
+
+    # -- reading -----------------------------------------------------------------------------
 
     def get(self, name: str, **labels: str) -> float:
-        key = (name, tuple(sorted(labels.items())))
+        """One series' value (0 if it was never touched); every declared label is required."""
+        m = _metric(name)
+        key = _key(m, labels)
         with self._lock:
-            return self._counters.get(key, self._gauges.get(key, 0))
+            series = self._series[name].get(key)
+            return series.value if series is not None else 0
 
-    def total(self, name: str) -> float:
-        """Sum of a counter over all label sets."""
+    def total(self, name: str, **match: str) -> float:
+        """Sum over the series of `name` whose labels include `match`."""
+        m = _metric(name)
+        _check_names(m, match, exact=False)
+        _check_values(m, match)
+        where = [(m.labels.index(k), v) for k, v in match.items()]
         with self._lock:
-            return sum(v for (n, _), v in self._counters.items() if n == name)
+            return sum(
+                s.value
+                for key, s in self._series[name].items()
+                if all(key[i] == v for i, v in where)
+            )
 
     def snapshot(self) -> dict[str, list[tuple[dict[str, str], float]]]:
+        """Every series that exists, by name: [(labels, value), ...]."""
         out: dict[str, list[tuple[dict[str, str], float]]] = {}
         with self._lock:
-            for (name, labels), value in [*self._counters.items(), *self._gauges.items()]:
-                out.setdefault(name, []).append((dict(labels), value))
+            for name, series in self._series.items():
+                if series:
+                    labels = _DECLARED[name].labels
+                    out[name] = [
+                        (dict(zip(labels, key, strict=True)), s.value) for key, s in series.items()
+                    ]
         return out
 
-    def prometheus_text(self, prefix: str = "tracejoin_") -> str:
-        """Render in the Prometheus text exposition format (version 0.0.4): HELP and TYPE per
-        family, counters named with a `_total` suffix, integral values printed exactly."""
-        families: dict[tuple[str, str], list[tuple[Labels, float]]] = {}
+    def prometheus_text(self) -> str:
+        """The Prometheus text exposition format (0.0.4), as prometheus_client renders it."""
+        return generate_latest(self.registry).decode()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _resolve(self, op: Literal["inc", "set"], name: str, labels: dict[str, str]) -> _Series:
+        """Check a (name, labels) pair the first time a call site uses it, then cache it."""
+        m = _metric(name)
+        settable = m.kind == "gauge" or m.copied
+        if op == "inc" and settable:
+            raise ValueError(f"{name} is a {_what(m)}: set it, do not inc it")
+        if op == "set" and not settable:
+            raise ValueError(f"{name} is a counter: inc it, do not set it")
+        series = self._series_for(m, labels)
+        (self._inc if op == "inc" else self._set)[(name, *labels.items())] = series
+        return series
+
+    def _series_for(self, m: Metric, labels: Mapping[str, str]) -> _Series:
+        key = _key(m, labels)
         with self._lock:
-            for table, default_kind in ((self._counters, "counter"), (self._gauges, "gauge")):
-                for (name, labels), value in table.items():
-                    kind = (
-                        default_kind if table is self._counters else self._kind.get(name, "gauge")
-                    )
-                    families.setdefault((name, kind), []).append((labels, value))
-            help_text = dict(self._help)
-        lines: list[str] = []
-        for (name, kind), series in sorted(families.items(), key=lambda f: (f[0][1], f[0][0])):
-            full = prefix + name
-            if kind == "counter" and not full.endswith("_total"):
-                full += "_total"
-            if name in help_text:
-                lines.append(f"# HELP {full} {_escape_help(help_text[name])}")
-            lines.append(f"# TYPE {full} {kind}")
-            for labels, value in sorted(series):
-                lines.append(f"{full}{_fmt_labels(labels)} {_fmt_value(value)}")
-        return "\n".join(lines) + "\n"
+            return self._series[m.name].setdefault(key, _Series())
+
+    def _families(self) -> Iterator[_Family]:
+        with self._lock:
+            values = {
+                n: sorted((k, s.value) for k, s in ss.items()) for n, ss in self._series.items()
+            }
+        for m in METRICS:
+            fam = _family(m)
+            for key, value in values[m.name]:
+                fam.add_metric(key, value)
+            yield fam
 
 
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
+class _Collector(Collector):
+    """Hands Metrics' values to prometheus_client at scrape time, HELP and TYPE for every
+    declared metric whether or not it has a series yet."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[_Family]:
+        return self._metrics._families()
+
+    def describe(self) -> Iterator[_Family]:
+        return (_family(m) for m in METRICS)
 
 
-def _fmt_value(value: float) -> str:
-    if isinstance(value, int) or (
-        math.isfinite(value) and value.is_integer() and abs(value) < 2**53
-    ):
-        return str(int(value))
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
+def _family(m: Metric) -> CounterMetricFamily | GaugeMetricFamily:
+    cls = CounterMetricFamily if m.kind == "counter" else GaugeMetricFamily
+    return cls(PREFIX + m.name, m.help, labels=m.labels)
 
 
-def _fmt_labels(labels: Iterable[tuple[str, str]]) -> str:
-    items = list(labels)
-    if not items:
-        return ""
-    body = ",".join(
-        '{}="{}"'.format(k, v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n"))
-        for k, v in items
-    )
-    return "{" + body + "}"
+def _metric(name: str) -> Metric:
+    try:
+        return _DECLARED[name]
+    except KeyError:
+        raise KeyError(f"unknown metric {name!r}: declare it in tracejoin.core.metrics") from None
+
+
+def _what(m: Metric) -> str:
+    return "counter copied in with set" if m.copied else m.kind
+
+
+def _check_names(m: Metric, labels: Mapping[str, str], exact: bool) -> None:
+    extra = set(labels) - set(m.labels)
+    missing = set(m.labels) - set(labels) if exact else set()
+    if extra or missing:
+        raise ValueError(f"{m.name} has labels ({', '.join(m.labels)}); got ({', '.join(labels)})")
+
+
+def _check_values(m: Metric, labels: Mapping[str, str]) -> None:
+    for label, value in labels.items():
+        if not isinstance(value, str):
+            raise ValueError(f"{m.name}: label {label} must be a str, not {value!r}")
+        allowed = m.values.get(label)
+        if allowed is not None and value not in allowed:
+            raise ValueError(f"{m.name}: {label}={value!r} is not one of {', '.join(allowed)}")
+
+
+def _key(m: Metric, labels: Mapping[str, str]) -> tuple[str, ...]:
+    """Label values in declared order, after checking names and values."""
+    _check_names(m, labels, exact=True)
+    _check_values(m, labels)
+    return tuple(labels[label] for label in m.labels)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import ctypes
 
+from tracejoin.core.text import http_method
+
 REC_HTTP = 1  # byte 0 of every ring-buffer record is its type
 
-HTTP_METHOD_MAX = 8
+HTTP_METHOD_MAX = 16
 HTTP_PATH_MAX = 96
 TP_CAP = 56
 RUNQ_SLOTS = 4
@@ -31,6 +33,9 @@ REQF_TUPLE = 0x0040
 REQF_FIRST_ON_CONN = 0x0080
 REQF_TLB_HW = 0x0100
 REQF_RESP_TRUNC = 0x0200
+REQF_METHOD_OTHER = 0x0400
+REQF_TARGET_ABS = 0x0800
+REQF_PATH_PARAMS = 0x1000
 
 # limits of the kernel's maps and windows
 HDR_WINDOW = 4096
@@ -54,11 +59,13 @@ WSIG_COUNT = 8
 WSF_TRACKED = 0x01
 WSF_CAP = 0x02
 WSF_NO_GAP = 0x04
+WSF_STATS = 0x08
 
 # slots of the `progs` prog_array
 PROG_SCAN_REQ = 0
 PROG_SCAN_RESP = 1
-PROG_COUNT = 2
+PROG_RUN_NOTES = 2
+PROG_COUNT = 3
 
 # indices of the per-CPU `counters` map (CNT_*)
 CNT_RECORDS_SUBMITTED = 0
@@ -67,6 +74,17 @@ CNT_PIPELINE_SLOTS_FULL = 2
 CNT_NON_HTTP_CONNECTIONS = 3
 CNT_REQUEST_STATE_LOST = 4
 CNT_READ_COPY_FAILED = 5
+CNT_UNTRUSTED_CONTENT_LENGTH = 6
+CNT_UNTRUSTED_TRANSFER_ENCODING = 7
+CNT_UNTRUSTED_TE_AND_CL = 8
+CNT_UNTRUSTED_CHUNKED = 9
+CNT_UNTRUSTED_HEADERS_TOO_LONG = 10
+CNT_UNTRUSTED_REQUEST_LINE = 11
+CNT_UNTRUSTED_RESPONSE_WITHOUT_REQUEST = 12
+CNT_UNTRUSTED_EARLY_RESPONSE = 13
+CNT_UNTRUSTED_RESPONSE_INVALID = 14
+CNT_UNTRUSTED_PIPELINE_OVERFLOW = 15
+CNT_UNTRUSTED_UNSCANNED = 16
 CNT_WORKSET_FULL = 20
 CNT_WORKSET_LOST = 21
 CNT_WORKSET_REFS_FULL = 22
@@ -80,6 +98,17 @@ KERNEL_COUNTERS: dict[int, str] = {
     CNT_NON_HTTP_CONNECTIONS: "non_http_connections",
     CNT_REQUEST_STATE_LOST: "request_state_lost",
     CNT_READ_COPY_FAILED: "read_copy_failed",
+    CNT_UNTRUSTED_CONTENT_LENGTH: "untrusted_content_length",
+    CNT_UNTRUSTED_TRANSFER_ENCODING: "untrusted_transfer_encoding",
+    CNT_UNTRUSTED_TE_AND_CL: "untrusted_te_and_cl",
+    CNT_UNTRUSTED_CHUNKED: "untrusted_chunked",
+    CNT_UNTRUSTED_HEADERS_TOO_LONG: "untrusted_headers_too_long",
+    CNT_UNTRUSTED_REQUEST_LINE: "untrusted_request_line",
+    CNT_UNTRUSTED_RESPONSE_WITHOUT_REQUEST: "untrusted_response_without_request",
+    CNT_UNTRUSTED_EARLY_RESPONSE: "untrusted_early_response",
+    CNT_UNTRUSTED_RESPONSE_INVALID: "untrusted_response_invalid",
+    CNT_UNTRUSTED_PIPELINE_OVERFLOW: "untrusted_pipeline_overflow",
+    CNT_UNTRUSTED_UNSCANNED: "untrusted_unscanned",
     CNT_WORKSET_FULL: "workset_full",
     CNT_WORKSET_LOST: "workset_lost",
     CNT_WORKSET_REFS_FULL: "workset_refs_full",
@@ -90,7 +119,29 @@ KERNEL_COUNTER_HELP: dict[str, str] = {
     "pipeline_slots_full": "Requests not tracked: more than MAX_PENDING open on one connection",
     "non_http_connections": "Connections whose first read was not an HTTP/1.x request",
     "request_state_lost": "Requests whose kernel state was evicted before their response",
-    "read_copy_failed": "Request buffers the kernel could not copy",
+    "read_copy_failed": "Buffers the kernel could not copy to scan",
+    # Connections whose framing the kernel stopped trusting (no request opened on them after),
+    # by reason; counted once per connection.
+    "untrusted_content_length": "Connections untrusted: request Content-Length malformed, "
+    "duplicate or folded",
+    "untrusted_transfer_encoding": "Connections untrusted: request Transfer-Encoding not "
+    "ending in chunked, or malformed",
+    "untrusted_te_and_cl": "Connections untrusted: a request with both Transfer-Encoding "
+    "and Content-Length (framed by Transfer-Encoding)",
+    "untrusted_chunked": "Connections untrusted: chunked body syntax error",
+    "untrusted_headers_too_long": "Connections untrusted: request headers longer than the "
+    "kernel scans (32 KiB)",
+    "untrusted_request_line": "Connections untrusted: no request line where the next "
+    "request had to start",
+    "untrusted_response_without_request": "Connections untrusted: a response with no request open",
+    "untrusted_early_response": "Connections untrusted: a response before the request's "
+    "headers ended",
+    "untrusted_response_invalid": "Connections untrusted: invalid status line or response "
+    "Content-Length",
+    "untrusted_pipeline_overflow": "Connections untrusted: more pipelined requests open "
+    "than the kernel frames (64)",
+    "untrusted_unscanned": "Connections untrusted: bytes to frame could not be scanned "
+    "(tail-call budget or copy failure)",
     "workset_full": "Wakes not followed: the request's work set already had WS_MAX threads",
     "workset_lost": "Requests whose work set was lost before their response (no work-set values)",
     "workset_refs_full": "Threads that joined more than WS_REFS open work sets at once",
@@ -187,7 +238,14 @@ class HttpRecord(ctypes.Structure):
     )
 
     def method_str(self) -> str:
-        return bytes(self.method[: self.method_len]).decode("ascii", "replace")
+        """`http.request.method`: a known method, else "_OTHER" (core.text.http_method judges
+        the bytes as sent; the kernel's REQF_METHOD_OTHER says the same from its side)."""
+        return http_method(self.method_bytes())[0]
+
+    def method_original(self) -> str | None:
+        """`http.request.method_original`: the method as sent when it is not a known one, only
+        if it is a valid HTTP token; None otherwise."""
+        return http_method(self.method_bytes())[1]
 
     def method_bytes(self) -> bytes:
         # As path_bytes: the bytes as sent, a NUL included (core.text.http_method judges them).

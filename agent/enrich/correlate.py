@@ -6,7 +6,9 @@ Everything here is cached per pid / connection so the per-request cost stays in 
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import logging
 import os
 import socket
 import threading
@@ -16,6 +18,35 @@ from dataclasses import dataclass
 from tracejoin.core.metrics import Metrics
 from tracejoin.enrich import traceparent
 from tracejoin.kernel.decode import REQF_TP_WINDOW, REQF_TUPLE, HttpRecord
+
+log = logging.getLogger(__name__)
+
+# What each /proc read of a served process needs beyond uid 0 (docs/operations.md, "Privileges").
+_NEEDS = {
+    "fd": "CAP_DAC_READ_SEARCH and CAP_SYS_PTRACE: connections older than the agent keep no "
+    "addresses where tcp:tcp_rcv_space_adjust cannot give them",
+    "netns": "CAP_SYS_PTRACE: connections older than the agent keep no addresses where "
+    "tcp:tcp_rcv_space_adjust cannot give them",
+    "exe": "CAP_SYS_PTRACE: process.executable.name is the 15-character comm instead",
+}
+
+
+class ProcReads:
+    """Counts reads of another process's /proc files that fail, in
+    proc_reads_failed{what, reason}: `denied` (a capability the agent was not granted: the
+    first one of each kind is logged, naming it) or `gone` (the process or fd went away)."""
+
+    def __init__(self, metrics: Metrics | None = None) -> None:
+        self.metrics = metrics
+        self._logged: set[str] = set()
+
+    def failed(self, what: str, path: str, exc: OSError) -> None:
+        denied = exc.errno in (errno.EACCES, errno.EPERM)
+        if self.metrics is not None:
+            self.metrics.inc("proc_reads_failed", what=what, reason="denied" if denied else "gone")
+        if denied and what not in self._logged:
+            self._logged.add(what)
+            log.warning("cannot read %s: %s; needs %s", path, exc.strerror, _NEEDS[what])
 
 
 class KernelClock:
@@ -80,7 +111,10 @@ class ConnectionTable:
     thread: each network namespace's table is parsed at most once per `refresh_s` and shared by
     every lookup meanwhile; results are cached per connection."""
 
-    def __init__(self, max_entries: int = 65536, refresh_s: float = 1.0) -> None:
+    def __init__(
+        self, max_entries: int = 65536, refresh_s: float = 1.0, reads: ProcReads | None = None
+    ) -> None:
+        self.reads = reads or ProcReads()
         self._cache: dict[int, Endpoints | None] = {}
         self._tables: dict[str, tuple[float, dict[str, Endpoints]]] = {}
         self._max = max_entries
@@ -106,10 +140,13 @@ class ConnectionTable:
         return found
 
     def _resolve(self, pid: int, fd: int) -> Endpoints | None:
+        what, path = "fd", f"/proc/{pid}/fd/{fd}"
         try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            netns = os.readlink(f"/proc/{pid}/ns/net")
-        except OSError:
+            link = os.readlink(path)
+            what, path = "netns", f"/proc/{pid}/ns/net"
+            netns = os.readlink(path)
+        except OSError as exc:
+            self.reads.failed(what, path, exc)
             return None
         if not link.startswith("socket:["):
             return None

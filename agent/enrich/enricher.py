@@ -19,6 +19,7 @@ from tracejoin.enrich.correlate import (
     ConnectionTable,
     Endpoints,
     KernelClock,
+    ProcReads,
     sampling_decision,
     trace_context,
 )
@@ -66,7 +67,8 @@ class Enricher:
         self.no_parent = no_parent
         self.unsampled = unsampled
         self.clock = KernelClock()
-        self.conns = ConnectionTable()
+        # /proc reads of other processes that a missing capability denies are counted
+        self.conns = ConnectionTable(reads=ProcReads(metrics))
         self._rand = random.Random()
 
     def new_id(self, bits: int) -> int:

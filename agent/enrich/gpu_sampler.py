@@ -216,7 +216,6 @@ class GpuSampler:
         self._thread: threading.Thread | None = None
         self._reported: set[Hashable] = set()
         self._report_lock = threading.Lock()  # the sampler thread adds, doctor/tests read
-        self._describe_metrics()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -332,7 +331,7 @@ class GpuSampler:
             except _DeviceLost as e:
                 self._mark_lost(d, str(e))
             except Exception:
-                self._m.inc("gpu_sampler_errors_total")
+                self._m.inc("gpu_sampler_errors")
                 if self._first(("tick-error", d.index)):
                     log.exception("GPU %d: sampling failed; will keep trying", d.index)
 
@@ -343,7 +342,7 @@ class GpuSampler:
             next_t += self._interval_s
             now = time.monotonic()
             if next_t < now:  # a tick overran: skip the missed slots rather than burst
-                self._m.inc("gpu_sampler_overruns_total")
+                self._m.inc("gpu_sampler_overruns")
                 next_t = now + self._interval_s
             self._stop.wait(next_t - now)
 
@@ -409,7 +408,7 @@ class GpuSampler:
                 hist.process_polls.append(now, len(proc_samples))
             for pid, t, r in proc_samples:
                 hist.add_process_sample(pid, t, r)
-        self._m.inc("gpu_samples_total", device=str(d.index))
+        self._m.inc("gpu_samples", device=str(d.index))
 
     def _util_samples(self, d: _Device, fld: str, stype: int, now: int) -> list[tuple[int, float]]:
         """New NVML-timestamped utilisation samples as (epoch ns, ratio), oldest first."""
@@ -454,7 +453,7 @@ class GpuSampler:
         p = float(percent)
         if 0.0 <= p <= 100.0:
             return p / 100.0
-        self._m.inc("gpu_invalid_samples_total", device=str(d.index), field=fld)
+        self._m.inc("gpu_invalid_samples", device=str(d.index), field=fld)
         if self._first(("invalid", d.index, fld)):
             log.warning(
                 "GPU %d: %s gave %s%%, out of range; dropping such samples", d.index, fld, p
@@ -573,14 +572,14 @@ class GpuSampler:
                 return None
             if code in (nvml.NVML_ERROR_GPU_IS_LOST, nvml.NVML_ERROR_RESET_REQUIRED):
                 raise _DeviceLost(f"{fn}: {e}") from e
-            self._m.inc("gpu_nvml_errors_total", function=fn, error=type(e).__name__)
+            self._m.inc("gpu_nvml_errors", function=fn, error=type(e).__name__)
             if self._first(("error", d.index, fld, code)):
                 log.warning("GPU %d: %s failed: %s; will retry", d.index, fn, e)
             return None
         finally:
             dt = time.perf_counter_ns() - t0
-            self._m.inc("gpu_nvml_call_seconds_total", dt / NS_PER_S, function=fn)
-            self._m.inc("gpu_nvml_calls_total", function=fn)
+            self._m.inc("gpu_nvml_call_seconds", dt / NS_PER_S, function=fn)
+            self._m.inc("gpu_nvml_calls", function=fn)
 
     def _mark_unsupported(self, d: _Device, fld: str, why: str) -> None:
         if fld in d.unsupported:
@@ -772,21 +771,6 @@ class GpuSampler:
                 nvml.nvmlShutdown()
             except Exception as e:
                 log.debug("nvmlShutdown: %s", e)
-
-    def _describe_metrics(self) -> None:
-        m = self._m
-        m.describe("gpu_nvml_available", "1 if NVML opened and at least one GPU is sampled")
-        m.describe("gpu_sampler_running", "1 while the GPU sampler thread runs")
-        m.describe("gpu_devices", "GPUs the sampler opened")
-        m.describe("gpu_device_lost", "1 for a GPU that NVML reported lost")
-        m.describe("gpu_samples_total", "sampler ticks recorded, per device")
-        m.describe("gpu_nvml_calls_total", "NVML calls made by the sampler, per function")
-        m.describe("gpu_nvml_call_seconds_total", "time spent in NVML calls, per function")
-        m.describe("gpu_nvml_errors_total", "NVML calls that failed (and will be retried)")
-        m.describe("gpu_field_unsupported", "1 for each device field skipped as unsupported")
-        m.describe("gpu_invalid_samples_total", "NVML samples dropped for out-of-range values")
-        m.describe("gpu_sampler_overruns_total", "ticks that took longer than the interval")
-        m.describe("gpu_sampler_errors_total", "unexpected errors while sampling a device")
 
 
 def probe_nvml(

@@ -47,6 +47,7 @@ KUBELET_TIMEOUT_S = 2.0
 MIN_REFRESH_S = 2.0
 MAX_BACKOFF_S = 60.0
 RESYNC_S = 300.0  # pod annotations and owners can change without a new container
+SYNC_TIMEOUT_S = 2.0  # start-up waits at most this for the first pod list
 MAX_POD_LIST_BYTES = 64 << 20
 CGROUP_TTL_S = 60.0  # a pid can be reused by another process
 MAX_PIDS = 4096
@@ -389,9 +390,10 @@ class KubeletClient:
 
 
 class PodCache:
-    """The kubelet's pod list, kept fresh by a background thread, the way the OpenTelemetry
-    Collector's k8sattributes processor keeps its pod informer: readers take `snapshot`
-    (generation, index) without a lock and never wait for the kubelet.
+    """The kubelet's pod list, read once at start-up (a bounded wait) and then kept fresh by a
+    background thread, the way the OpenTelemetry Collector's k8sattributes processor keeps its
+    pod informer: readers take `snapshot` (generation, index) without a lock and never wait
+    for the kubelet.
 
     `want(container_id)` (from any thread; O(1), no I/O) asks for a refresh because a pod's
     container is not in the list. The thread then fetches, at most once per `min_refresh_s`;
@@ -427,22 +429,20 @@ class PodCache:
         self._failures = 0
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._answered = threading.Event()  # the first fetch has succeeded or failed
         self._thread: threading.Thread | None = None
-        metrics.describe("kubelet_refreshes", "Pod lists read from the kubelet.")
-        metrics.describe("kubelet_errors", "Kubelet pod-list requests that failed, by reason.")
-        metrics.describe("kubelet_pods", "Pods in the last pod list read from the kubelet.")
-        metrics.describe(
-            "kubelet_pods_invalid",
-            "Pod-list items skipped as malformed (not an object, or no uid, name or namespace).",
-        )
-        metrics.inc("kubelet_refreshes", 0)
-        metrics.inc("kubelet_pods_invalid", 0)
 
-    def start(self) -> None:
+    def start(self, sync_timeout_s: float = SYNC_TIMEOUT_S) -> None:
+        """Start the refresher and wait (bounded) for its first answer, as an informer syncs
+        before the processor runs: the pods already on the node are named from the first
+        span on. Start-up may wait; a reader never does."""
         if self._thread is not None or self._stop.is_set():
             return
+        self._resync_at = self._clock()  # the first list is due now
         self._thread = threading.Thread(target=self._run, name="tracejoin-kubelet", daemon=True)
         self._thread.start()
+        if not self._answered.wait(sync_timeout_s):
+            log.warning("kubelet pod list not read within %.0fs of start-up", sync_timeout_s)
 
     def shutdown(self, timeout_s: float = 1.0) -> None:
         """Stop the refresher; idempotent, safe without start. A request in flight is not
@@ -525,6 +525,8 @@ class PodCache:
             except Exception:  # never lose the refresher to a bug; the cgroup attributes remain
                 log.exception("kubelet refresher failed")
                 delay = self._max_backoff_s
+            if self._failures or self.snapshot[0]:
+                self._answered.set()
             self._wake.wait(max(0.0, delay))
 
 

@@ -18,6 +18,7 @@ the container and pod, `static` (tracejoin.tlb.mode), and --service-name / OTEL_
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -30,15 +31,15 @@ from dataclasses import dataclass
 import psutil
 from opentelemetry.sdk.resources import OTEL_RESOURCE_ATTRIBUTES, OTELResourceDetector
 from tracejoin import __version__
-from tracejoin.config import ConfigError, Settings
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import AttrValue, Resource
+from tracejoin.enrich.correlate import ProcReads
 from tracejoin.enrich.k8s import (
+    SYNC_TIMEOUT_S,
     CgroupInfo,
     KubeletClient,
     PodCache,
     PodIndex,
-    expand_node_name,
     lookup,
     read_cgroup,
     workload_attributes,
@@ -82,20 +83,25 @@ class ProcessFacts:
     cgroup: CgroupInfo | None  # None: not in a container
 
 
-def read_process_facts(pid: int) -> ProcessFacts | None:
+def read_process_facts(pid: int, reads: ProcReads | None = None) -> ProcessFacts | None:
     """psutil's view of pid (/proc/<pid>/stat for start time and name, a readlink of exe)
     plus its cgroup; None when the process is gone. The executable of another user's
-    process needs CAP_SYS_PTRACE: without it, it is None, never the thread name."""
+    process needs CAP_SYS_PTRACE: without it, it is None, never the thread name, and the
+    denial is counted in `reads` (proc_reads_failed{what="exe"})."""
     try:
         proc = psutil.Process(pid)
         with proc.oneshot():
             start, name = proc.create_time(), proc.name()
-            try:
-                exe: str | None = os.path.basename(proc.exe()) or None
-            except psutil.Error:
-                exe = None
     except psutil.Error:
         return None
+    # The link itself, not psutil.exe(): where the link is denied, that guesses from argv[0],
+    # which the process chose. A name we did not read is omitted, never guessed.
+    try:
+        exe: str | None = os.path.basename(os.readlink(f"/proc/{pid}/exe")) or None
+    except OSError as exc:
+        exe = None
+        if reads is not None:
+            reads.failed("exe", f"/proc/{pid}/exe", exc)
     return ProcessFacts(start, name, exe, read_cgroup(pid))
 
 
@@ -103,11 +109,12 @@ def env_resource_attributes() -> dict[str, AttrValue]:
     """OTEL_RESOURCE_ATTRIBUTES as the OpenTelemetry SDK reads it (W3C Baggage octets,
     percent-decoded values), less the keys that cannot describe an observed process. The SDK
     logs and skips an item that is not key=value; the agent refuses to start instead
-    (ConfigError naming the variable), so a typo never silently drops an attribute."""
+    (ValueError naming the variable: a ConfigError at start-up), so a typo never silently drops
+    an attribute."""
     for item in os.environ.get(OTEL_RESOURCE_ATTRIBUTES, "").split(","):
         key, sep, _ = item.partition("=")
         if item.strip() and (not sep or not key.strip()):
-            raise ConfigError(
+            raise ValueError(
                 f"{OTEL_RESOURCE_ATTRIBUTES}: expected key=value, got {item.strip()!r}"
             )
     # the detector also reads OTEL_SERVICE_NAME into service.name: config.py already did (flag >
@@ -131,23 +138,6 @@ def env_resource_attributes() -> dict[str, AttrValue]:
     return out
 
 
-def kubelet_client(s: Settings) -> KubeletClient | None:
-    """The kubelet client --kubelet-url asks for; None when unset. ConfigError names the flag."""
-    if not s.kubelet_url:
-        return None
-    try:
-        url = expand_node_name(s.kubelet_url, s.node_name)
-    except ValueError as exc:
-        raise ConfigError(f"kubelet_url (--kubelet-url): {exc}") from exc
-    log.info("pod metadata from the kubelet at %s", url)
-    return KubeletClient(
-        url,
-        token_file=s.kubelet_token_file,
-        ca_file=s.kubelet_ca_file,
-        insecure_tls=s.kubelet_insecure_tls,
-    )
-
-
 @dataclass(frozen=True, slots=True)
 class _Entry:
     facts: ProcessFacts | None  # None: the process was gone when first looked up
@@ -168,7 +158,7 @@ class ResourceResolver:
         static: Mapping[str, AttrValue],
         kubelet: KubeletClient | None,
         node_name: str | None,
-        facts: Callable[[int], ProcessFacts | None] = read_process_facts,
+        facts: Callable[[int], ProcessFacts | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         revalidate_s: float = REVALIDATE_S,
         max_entries: int = MAX_ENTRIES,
@@ -178,7 +168,8 @@ class ResourceResolver:
         self._service_name = service_name or None
         self._static = dict(static)
         self._node_name = node_name or None
-        self._facts = facts
+        # denied reads of another process's executable are counted, and logged once
+        self._facts = facts or functools.partial(read_process_facts, reads=ProcReads(metrics))
         self._clock = clock
         self._revalidate_s = revalidate_s
         self._max_entries = max_entries
@@ -187,34 +178,12 @@ class ResourceResolver:
         self._host = socket.gethostname()
         self._lock = threading.Lock()  # guards _cache only
         self._cache: OrderedDict[int, _Entry] = OrderedDict()
-        metrics.describe(
-            "k8s_resolved",
-            "Process resources built (a new process, or its metadata changed), by what was "
-            "found: pod (kubelet metadata), container (cgroup only), host (not in a container).",
-        )
-        metrics.describe(
-            "kubelet_uid_mismatch",
-            "Kubelet answers not adopted: the pod that the pod list gives a container id "
-            "is not the pod UID in that container's cgroup path.",
-        )
-        metrics.describe(
-            "resource_pid_reused",
-            "Cached process resources replaced because their pid now belongs to a process "
-            "with another start time.",
-        )
-        metrics.describe(
-            "resource_process_gone",
-            "Served processes that had exited before /proc could be read (their spans say "
-            "service.name unknown_service).",
-        )
-        for result in ("pod", "container", "host"):
-            metrics.inc("k8s_resolved", 0, result=result)
-        for name in ("kubelet_uid_mismatch", "resource_pid_reused", "resource_process_gone"):
-            metrics.inc(name, 0)
 
-    def start(self) -> None:
+    def start(self, sync_timeout_s: float = SYNC_TIMEOUT_S) -> None:
+        """Start the kubelet refresher; waits up to `sync_timeout_s` for the first pod list, so
+        the pods already on the node are named from the first span (start-up, not a reader)."""
         if self.pods is not None:
-            self.pods.start()
+            self.pods.start(sync_timeout_s)
 
     def shutdown(self, timeout_s: float = 1.0) -> None:
         """Stop the kubelet refresher; idempotent, safe without start. `resource` keeps
@@ -316,6 +285,5 @@ __all__ = [
     "ProcessFacts",
     "ResourceResolver",
     "env_resource_attributes",
-    "kubelet_client",
     "read_process_facts",
 ]

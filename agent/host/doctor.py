@@ -54,6 +54,7 @@ OPTIONAL_SIGNALS: dict[str, str] = {
 CORE_SIGNAL = "HTTP request spans"
 TLB_SIGNAL = "TLB misses (hardware counters)"
 TLB_FALLBACK_TRACEPOINT = "tlb:tlb_flush"
+TLB_HW_NEEDS = "sched:sched_switch"  # the hardware path reads the counters at each switch
 TLB_FALLBACK = "tlb:tlb_flush counts, exported as tracejoin.tlb.flushes, not misses"
 FIX_SETUP = "run `make setup` as root"
 
@@ -854,16 +855,24 @@ def _needs_btf(signal: Signal, btf: Check) -> Signal:
 def _tlb_signal(by_name: dict[str, Check]) -> Signal:
     hw = [by_name[f"hw {n}"] for n in HW_TLB_EVENTS]
     flush = by_name.get(f"tracepoint {TLB_FALLBACK_TRACEPOINT}")
-    sources = [c.name for c in hw] + ([flush.name] if flush else [])
-    if all(c.ok for c in hw):
+    # The counters are per CPU: a thread's share needs a read at each of its context switches.
+    sched = by_name.get(f"tracepoint {TLB_HW_NEEDS}")
+    sources = (
+        [c.name for c in hw] + ([sched.name] if sched else []) + ([flush.name] if flush else [])
+    )
+    failed = [c for c in hw if not c.ok]
+    if not failed and sched is not None and sched.ok:
         detail = "dTLB-load-misses, iTLB-load-misses per thread"
         return Signal(TLB_SIGNAL, Status.AVAILABLE, detail, False, sources)
-    failed = [c for c in hw if not c.ok]
-    if len({c.detail for c in failed}) == 1:  # the usual case: one cause for both counters
+    if not failed:
+        why = f"hardware counters open, but {TLB_HW_NEEDS} is missing: they are read at each switch"
+        fix = sched.fix if sched is not None else None
+    elif len({c.detail for c in failed}) == 1:  # the usual case: one cause for both counters
         why = ", ".join(c.name.removeprefix("hw ") for c in failed) + ": " + failed[0].detail
+        fix = next((c.fix for c in hw if c.fix), None)
     else:
         why = "; ".join(f"{c.name.removeprefix('hw ')}: {c.detail}" for c in failed)
-    fix = next((c.fix for c in hw if c.fix), None)
+        fix = next((c.fix for c in hw if c.fix), None)
     if flush is not None and flush.ok:
         return Signal(
             TLB_SIGNAL, Status.FALLBACK, why, False, sources, fallback=TLB_FALLBACK, fix=fix

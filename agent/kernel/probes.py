@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from tracejoin.core.metrics import Metrics
-from tracejoin.core.record import CNT_MAX, KERNEL_COUNTERS, PROG_SCAN_REQ, PROG_SCAN_RESP
+from tracejoin.core.record import (
+    CNT_MAX,
+    KERNEL_COUNTERS,
+    PROG_RUN_NOTES,
+    PROG_SCAN_REQ,
+    PROG_SCAN_RESP,
+)
 from tracejoin.kernel.btf import BtfError, member_offsets
 from tracejoin.kernel.perf import perf_event_open_check
 
@@ -250,14 +256,24 @@ class HttpProbes:
         if cfg.comm:
             knobs["FILTER_COMM"] = None
         if cfg.tlb_hardware is not False:
-            if pmu_tlb_available():
+            if not pmu_tlb_available():
+                if cfg.tlb_hardware:
+                    raise ProbeError(
+                        "--tlb hardware: no hardware dTLB/iTLB counter opens here "
+                        "(no PMU, e.g. in a VM); use --tlb auto for the "
+                        "tlb:tlb_flush fallback (see `tracejoin doctor`)"
+                    )
+            elif self.status.signals.get("sched") != "on":
+                # The counters are per CPU: a thread's share is only right when it is read
+                # at every switch of the thread, which needs sched:sched_switch.
+                if cfg.tlb_hardware:
+                    raise ProbeError(
+                        "--tlb hardware needs the sched signal (sched:sched_switch): the "
+                        f"counters are read at each context switch; sched is "
+                        f"{self.status.signals.get('sched')}"
+                    )
+            else:
                 knobs["TLB_HW"] = None
-            elif cfg.tlb_hardware:
-                raise ProbeError(
-                    "--tlb hardware: no hardware dTLB/iTLB counter opens here "
-                    "(no PMU, e.g. in a VM); use --tlb auto for the "
-                    "tlb:tlb_flush fallback (see `tracejoin doctor`)"
-                )
         return knobs
 
     def render(self, knobs: dict[str, int | None] | None = None) -> tuple[str, list[str]]:
@@ -288,9 +304,16 @@ class HttpProbes:
                 "host's /lib/modules and /usr/src)"
             ) from exc
         self._bpf = bpf
-        for name, idx in (("scan_req", PROG_SCAN_REQ), ("scan_resp", PROG_SCAN_RESP)):
+        for name, idx in (
+            ("scan_req", PROG_SCAN_REQ),
+            ("scan_resp", PROG_SCAN_RESP),
+            ("run_notes", PROG_RUN_NOTES),
+        ):
             fn = bpf.load_func(name.encode(), BPF.TRACEPOINT)
             bpf[b"progs"][ctypes.c_int(idx)] = ctypes.c_int(fn.fd)
+        if "WITH_WORKSET" in knobs:  # the work set's wake handler, behind its raw tracepoints
+            fn = bpf.load_func(b"ws_wake_prog", BPF.RAW_TRACEPOINT)
+            bpf[b"ws_progs"][ctypes.c_int(0)] = ctypes.c_int(fn.fd)
         self._fill_filters(bpf)
         if "WITH_FAULTS" in knobs:
             try:

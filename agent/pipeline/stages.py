@@ -47,7 +47,7 @@ class RecordSource(Protocol):
 
 
 class Destination(Protocol):
-    name: str | None
+    name: str
 
     def start(self) -> None: ...
     def submit(self, span: Span) -> bool: ...

@@ -12,7 +12,8 @@ BIND (env) is the address to listen on (default 127.0.0.1).
 Endpoints (threaded and aiohttp): /sleep?ms=N, /pages?n=N (touch N fresh pages),
 /tlb?n=N (N mmap/munmap rounds while a second thread runs: TLB shootdowns), /spin?ms=N
 (burn CPU for N ms of wall time), /file?kb=N
-(the body sent with sendfile(2); threaded only), anything else: 200 "ok".
+(the body sent with sendfile(2); threaded only), /chunks?n=N (threaded only: a chunked response,
+each chunk its own write, the size line, data and CRLF included), anything else: 200 "ok".
 Hand-offs (work set tests; threaded, workers): /pool?n=N (a ThreadPoolExecutor worker touches N
 pages, the handler waits), /procpool?n=N (the same in a ProcessPoolExecutor worker process),
 /fanout?k=K&n=N (K pool threads touch N pages each, the handler waits for all), /bg?n=N&ms=M
@@ -143,6 +144,16 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
             with open(path, "rb") as fh:
                 self.connection.sendfile(fh)
+            return
+        if url.path == "/chunks":
+            n = int(parse_qs(url.query).get("n", ["3"])[0])
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(n):
+                data = f"row {i},0\r\n".encode()  # ends like the terminator
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.write(b"0\r\n\r\n")
             return
         code, body = handle(self.path)
         self.send_response(code)

@@ -30,11 +30,13 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"sort"
 	"strings"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apivalidation "k8s.io/apimachinery/pkg/api/validation"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -64,6 +66,7 @@ var kinds = map[schema.GroupVersionKind]kindInfo{
 	{Version: "v1", Kind: "Secret"}:                                                 {func() any { return &corev1.Secret{} }, true, apivalidation.NameIsDNSSubdomain},
 	{Version: "v1", Kind: "Service"}:                                                {func() any { return &corev1.Service{} }, true, apivalidation.NameIsDNS1035Label},
 	{Group: "apps", Version: "v1", Kind: "DaemonSet"}:                               {func() any { return &appsv1.DaemonSet{} }, true, apivalidation.NameIsDNSSubdomain},
+	{Group: "networking.k8s.io", Version: "v1", Kind: "NetworkPolicy"}:              {func() any { return &networkingv1.NetworkPolicy{} }, true, apivalidation.NameIsDNSSubdomain},
 	{Group: "rbac.authorization.k8s.io", Version: "v1", Kind: "ClusterRole"}:        {func() any { return &rbacv1.ClusterRole{} }, false, pathSegmentName},
 	{Group: "rbac.authorization.k8s.io", Version: "v1", Kind: "ClusterRoleBinding"}: {func() any { return &rbacv1.ClusterRoleBinding{} }, false, pathSegmentName},
 	{Group: "rbac.authorization.k8s.io", Version: "v1", Kind: "Role"}:               {func() any { return &rbacv1.Role{} }, true, pathSegmentName},
@@ -288,6 +291,8 @@ func check(o *object, all []*object, requireNS bool, rep *report) {
 		errs = append(errs, checkService(o, obj, all)...)
 	case *appsv1.DaemonSet:
 		errs = append(errs, checkDaemonSet(o, obj, all)...)
+	case *networkingv1.NetworkPolicy:
+		errs = append(errs, checkNetworkPolicy(o, obj, all)...)
 	case *rbacv1.ClusterRole:
 		errs = append(errs, checkRules(obj.Rules, field.NewPath("rules"))...)
 	case *rbacv1.Role:
@@ -819,6 +824,13 @@ func checkSeccomp(p *corev1.SeccompProfile, path *field.Path) field.ErrorList {
 		if p.LocalhostProfile == nil || *p.LocalhostProfile == "" {
 			return field.ErrorList{field.Required(path.Child("localhostProfile"), "required for type Localhost")}
 		}
+		// Relative to the kubelet's <root-dir>/seccomp, and may not leave it (the API
+		// server's validateLocalDescendingPath).
+		lp := *p.LocalhostProfile
+		if strings.HasPrefix(lp, "/") || slices.Contains(strings.Split(lp, "/"), "..") {
+			return field.ErrorList{field.Invalid(path.Child("localhostProfile"), lp,
+				"must be a relative path that does not contain '..'")}
+		}
 	case corev1.SeccompProfileTypeRuntimeDefault, corev1.SeccompProfileTypeUnconfined:
 		if p.LocalhostProfile != nil {
 			return field.ErrorList{field.Invalid(path.Child("localhostProfile"), *p.LocalhostProfile,
@@ -889,6 +901,88 @@ func checkBinding(ref rbacv1.RoleRef, subjects []rbacv1.Subject, cluster bool, n
 			}
 		default:
 			errs = append(errs, field.NotSupported(sp.Child("kind"), s.Kind, []string{"ServiceAccount", "User", "Group"}))
+		}
+	}
+	return errs
+}
+
+// checkNetworkPolicy: the API server's rules for the fields a node agent's policy uses, and a
+// cross-check that the policy selects pods of a workload given with it, on ports they declare.
+func checkNetworkPolicy(o *object, np *networkingv1.NetworkPolicy, all []*object) field.ErrorList {
+	var errs field.ErrorList
+	spec := field.NewPath("spec")
+	opts := metavalidation.LabelSelectorValidationOptions{}
+	errs = append(errs, metavalidation.ValidateLabelSelector(&np.Spec.PodSelector, opts, spec.Child("podSelector"))...)
+	for i, t := range np.Spec.PolicyTypes {
+		if t != networkingv1.PolicyTypeIngress && t != networkingv1.PolicyTypeEgress {
+			errs = append(errs, field.NotSupported(spec.Child("policyTypes").Index(i), t,
+				[]string{"Ingress", "Egress"}))
+		}
+	}
+	sel, err := metav1.LabelSelectorAsSelector(&np.Spec.PodSelector)
+	if err != nil {
+		return append(errs, field.Invalid(spec.Child("podSelector"), np.Spec.PodSelector, err.Error()))
+	}
+	var selected []*corev1.PodSpec
+	for _, other := range all {
+		if t := podTemplate(other); t != nil && other.meta.Namespace == o.meta.Namespace &&
+			sel.Matches(labels.Set(t.Labels)) {
+			selected = append(selected, &t.Spec)
+		}
+	}
+	if len(selected) == 0 {
+		errs = append(errs, field.Invalid(spec.Child("podSelector"), np.Spec.PodSelector,
+			"selects no workload among the objects given"))
+	}
+	for i, rule := range np.Spec.Ingress {
+		rp := spec.Child("ingress").Index(i)
+		for j, port := range rule.Ports {
+			pp := rp.Child("ports").Index(j)
+			if port.Protocol != nil {
+				errs = append(errs, checkProtocol(*port.Protocol, pp.Child("protocol"))...)
+			}
+			if port.Port == nil {
+				continue
+			}
+			if port.Port.Type == intstr.String {
+				for _, m := range validation.IsValidPortName(port.Port.StrVal) {
+					errs = append(errs, field.Invalid(pp.Child("port"), port.Port.StrVal, m))
+				}
+				for _, ps := range selected {
+					if !hasContainerPort(ps, port.Port.StrVal) {
+						errs = append(errs, field.NotFound(pp.Child("port"), port.Port.StrVal+
+							" (no container port of that name in the selected pods)"))
+					}
+				}
+			} else {
+				for _, m := range validation.IsValidPortNum(int(port.Port.IntVal)) {
+					errs = append(errs, field.Invalid(pp.Child("port"), port.Port.IntVal, m))
+				}
+			}
+		}
+		for j, peer := range rule.From {
+			fp := rp.Child("from").Index(j)
+			n := 0
+			if peer.PodSelector != nil {
+				n++
+				errs = append(errs, metavalidation.ValidateLabelSelector(peer.PodSelector, opts, fp.Child("podSelector"))...)
+			}
+			if peer.NamespaceSelector != nil {
+				n++
+				errs = append(errs, metavalidation.ValidateLabelSelector(peer.NamespaceSelector, opts, fp.Child("namespaceSelector"))...)
+			}
+			if peer.IPBlock != nil {
+				if n > 0 {
+					errs = append(errs, field.Forbidden(fp, "may not specify ipBlock with another peer type"))
+				}
+				n++
+				if peer.IPBlock.CIDR == "" {
+					errs = append(errs, field.Required(fp.Child("ipBlock", "cidr"), ""))
+				}
+			}
+			if n == 0 {
+				errs = append(errs, field.Required(fp, "must specify a peer"))
+			}
 		}
 	}
 	return errs

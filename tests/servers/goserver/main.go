@@ -1,6 +1,8 @@
-// A net/http server the tests control: /sleep?ms=N; /chan?n=N&ms=M (the handler passes a job
-// to a worker goroutine through a channel and waits for its reply; the worker touches N fresh
-// pages, then spins on the CPU for M ms); anything else 200 "ok".
+// A net/http server the tests control: /sleep?ms=N; /chunks?n=N (a chunked response: N writes,
+// each flushed with http.Flusher, so each chunk is its own write; rows ending in ",0\r\n", so a
+// chunk's last bytes look like the chunked terminator); /chan?n=N&ms=M (the handler passes a
+// job to a worker goroutine through a channel and waits for its reply; the worker touches N
+// fresh pages, then spins on the CPU for M ms); anything else 200 "ok".
 // Usage: goserver PORT. Prints "ready" once listening.
 package main
 
@@ -42,6 +44,14 @@ func main() {
 	}
 	http.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
+		case "/chunks":
+			n, _ := strconv.Atoi(r.URL.Query().Get("n"))
+			w.Header().Set("Content-Type", "text/plain")
+			for i := 0; i < n; i++ {
+				fmt.Fprintf(w, "row %d,0\r\n", i)
+				w.(http.Flusher).Flush()
+			}
+			return
 		case "/sleep":
 			ms, _ := strconv.Atoi(r.URL.Query().Get("ms"))
 			time.Sleep(time.Duration(ms) * time.Millisecond)

@@ -46,10 +46,16 @@ app.kubernetes.io/component: agent
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
-{{/* The documented capability set plus extraCapabilities, without CAP_ prefixes, no repeats.
-Why each: docs/operations.md, "Privileges". */}}
+{{/* BPF and PERFMON, the opted-in optional ones, and extraCapabilities, without CAP_
+prefixes, no repeats. Why each: docs/operations.md, "Privileges". */}}
 {{- define "tracejoin.capabilities" -}}
-{{- $caps := list "BPF" "PERFMON" "DAC_READ_SEARCH" "SYS_PTRACE" }}
+{{- $caps := list "BPF" "PERFMON" }}
+{{- if .Values.capabilities.sysPtrace }}
+{{- $caps = append $caps "SYS_PTRACE" }}
+{{- end }}
+{{- if .Values.capabilities.dacReadSearch }}
+{{- $caps = append $caps "DAC_READ_SEARCH" }}
+{{- end }}
 {{- range .Values.extraCapabilities }}
 {{- $caps = append $caps (. | upper | trimPrefix "CAP_") }}
 {{- end }}
@@ -61,4 +67,19 @@ Why each: docs/operations.md, "Privileges". */}}
 {{- $cfg := deepCopy (default (dict) .Values.config) }}
 {{- $_ := set $cfg "metrics_port" (int .Values.metricsPort) }}
 {{- toYaml $cfg }}
+{{- end }}
+
+{{/* The seccomp profile's directory under the kubelet's root dir, which the installer writes.
+A profile directly in <root dir>/seccomp would give it the whole directory: refused. */}}
+{{- define "tracejoin.seccompDir" -}}
+{{- $dir := dir .Values.seccomp.localhostProfile }}
+{{- if or (eq $dir ".") (hasPrefix "/" $dir) (contains ".." $dir) }}
+{{- fail (printf "seccomp.localhostProfile (%s) must be a relative path in a directory of its own, like tracejoin/tracejoin.json" .Values.seccomp.localhostProfile) }}
+{{- end }}
+{{- printf "%s/seccomp/%s" (trimSuffix "/" .Values.seccomp.kubeletRootDir) $dir }}
+{{- end }}
+
+{{/* Whether the init container installs the profile. */}}
+{{- define "tracejoin.installSeccomp" -}}
+{{- if and (eq .Values.seccomp.type "Localhost") .Values.seccomp.install }}true{{ end }}
 {{- end }}
