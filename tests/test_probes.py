@@ -43,7 +43,7 @@ def test_tlb_hardware_path_is_selected_and_passes_the_verifier(require_root, mon
     probe = HttpProbes(ProbeConfig(), Metrics())
     assert "TLB_HW" in probe.plan()
     src, flags = probe.render()
-    assert "tlb_hw_now" in src
+    assert "flush_tlb_hw" in src  # the running slice is read at request start and end
     from bcc import BPF
 
     b = BPF(text=src.encode(), cflags=flags)
