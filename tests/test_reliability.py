@@ -56,6 +56,7 @@ from tracejoin.core.record import (
     LRU_ENTRIES,
     REC_HTTP_FIXED_SIZE,
     RINGBUF_PAGES,
+    WS_ENTRIES,
     WS_SLOTS,
     HttpRecord,
 )
@@ -713,9 +714,10 @@ def test_churn_stays_within_lru_bounds_and_never_misattributes(rel):
     )
     assert not problems, problems[:5]
     assert len(spans) == len(seen), "a request produced two spans"
-    assert sizes.keys() == {"conns", "reqs", "threads"}, sizes  # each map really sampled
+    assert sizes.keys() == {"conns", "reqs", "threads", "worksets"}, sizes  # each map sampled
     for name in ("conns", "reqs", "threads"):
         assert sizes[name] <= LRU_ENTRIES, sizes
+    assert sizes["worksets"] <= WS_ENTRIES, sizes
     assert sizes["conns"] >= n_idle, "the idle connections are in `conns`"
     if n_idle >= 8_500 and FULL:
         # (an LRU hash map evicts a little before it is completely full)
