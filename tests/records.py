@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
+from tracejoin.core.record import WSF_STATS
 from tracejoin.kernel.decode import REQF_TUPLE, HttpRecord
 
 TID = 0x4BF92F3577B34DA6A3CE929D0E0E4736
@@ -33,4 +34,5 @@ def record(
         ctypes.memmove(ctypes.addressof(r) + HttpRecord.tp.offset, raw, min(len(raw), 56))
         r.tp_len, r.tp_count = len(raw), 1
     r.arrival_ns, r.read_ns, r.resp_start_ns, r.end_ns = arrival, read, read + 1000, end
+    r.ws_flags = WSF_STATS  # the reader's counters were taken at the read
     return r

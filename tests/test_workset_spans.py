@@ -13,6 +13,7 @@ from tracejoin.core.record import (
     WS_SLOTS,
     WSF_CAP,
     WSF_NO_GAP,
+    WSF_STATS,
     WSF_TRACKED,
     WSIG_MINFLT,
     WSIG_ONCPU,
@@ -53,7 +54,7 @@ def helper(rec: HttpRecord, i: int, tid: int, pid: int, comm: bytes, **values: i
 def pool_record() -> HttpRecord:
     """A thread-pool hand-off: the reader (pid 1) and one worker that touched 512 pages."""
     r = record(TP)
-    r.ws_flags = WSF_TRACKED
+    r.ws_flags |= WSF_TRACKED
     r.ws_threads, r.ws_processes = 2, 1
     r.oncpu_ns, r.helper_oncpu_ns = 3_000_000, 2_700_000
     r.minflt, r.unexplained_wait_ns = 515, 20_000
@@ -114,7 +115,7 @@ def test_shared_values_are_reported_apart_never_as_the_requests_own():
 
 def test_a_lost_set_gives_no_kernel_values_rather_than_zeros():
     r = pool_record()
-    r.ws_flags = 0  # the kernel lost the set before the response
+    r.ws_flags = WSF_STATS  # the kernel lost the set before the response
     (server,) = build(r)
     a = server.attributes
     kernel = ("tracejoin.work.", "tracejoin.mm.", "tracejoin.sched.")
@@ -127,6 +128,10 @@ def test_without_the_workset_signal_the_readers_values_stand_alone():
     a = server.attributes
     assert a["tracejoin.mm.minor_faults"] == 515
     assert not any(k.startswith("tracejoin.work.") for k in a)
+    r = pool_record()
+    r.ws_flags = 0  # the reader's counters were never taken (its read's exit never ran it)
+    (server,) = build(r, SIGNALS - {"workset"})
+    assert "tracejoin.mm.minor_faults" not in server.attributes
 
 
 def test_cap_unslotted_and_no_gap_are_said():

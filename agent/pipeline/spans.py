@@ -28,6 +28,7 @@ from tracejoin.core.record import (
     WS_SLOTS,
     WSF_CAP,
     WSF_NO_GAP,
+    WSF_STATS,
     WSF_TRACKED,
     WSIG_MAJFLT,
     WSIG_MINFLT,
@@ -137,10 +138,11 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
             attrs["tracejoin.tcp.srtt_us"] = rec.srtt_us
         if rec.unacked_max:
             attrs["tracejoin.tcp.unacked_max_bytes"] = rec.unacked_max
-    # With the work set on, the kernel signals are sums over it (its own part); a set the kernel
-    # lost has no values to give, and an absent value must not read as a measured zero.
+    # With the work set on, the kernel signals are sums over it (its own part); without it, the
+    # reading thread's deltas. A set the kernel lost, or counters it never took at the read, give
+    # no values, and an absent value must not read as a measured zero.
     tracked = SIG_WORKSET in on and bool(rec.ws_flags & WSF_TRACKED)
-    measured = tracked or SIG_WORKSET not in on
+    measured = tracked if SIG_WORKSET in on else bool(rec.ws_flags & WSF_STATS)
     if SIG_SCHED in on and measured:
         attrs["tracejoin.sched.runq_wait_ns"] = rec.runq_ns
         attrs["tracejoin.sched.runq_wait_max_ns"] = rec.runq_max_ns
