@@ -72,12 +72,23 @@ _BG: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
 _BG_STARTED = threading.Event()
 
 
+def _die_with_parent() -> None:
+    """A worker process ends with the thread that forked it: the server's main thread (the
+    tests kill the server, not its children; see serve_threaded)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def pool(kind: str, workers: int) -> ThreadPoolExecutor | ProcessPoolExecutor:
     with _POOLS_LOCK:
         key = f"{kind}{workers}"
         if key not in _POOLS:
-            cls = ProcessPoolExecutor if kind == "proc" else ThreadPoolExecutor
-            _POOLS[key] = cls(max_workers=workers)
+            if kind == "proc":
+                _POOLS[key] = ProcessPoolExecutor(workers, initializer=_die_with_parent)
+            else:
+                _POOLS[key] = ThreadPoolExecutor(max_workers=workers)
         return _POOLS[key]
 
 
@@ -182,6 +193,9 @@ class NoDelayHandler(Handler):
 
 def serve_threaded(port: int, poll_interval: float = 0.5) -> None:
     handler = Handler if poll_interval < 3600 else NoDelayHandler
+    if handler is NoDelayHandler:  # workers: fork the worker processes from the main thread
+        procs = pool("proc", 2)
+        wait([procs.submit(touch_pages, 0) for _ in range(2)])
     srv = ThreadingHTTPServer((os.environ.get("BIND", "127.0.0.1"), port), handler)
     srv.daemon_threads = True
     print("ready", flush=True)
