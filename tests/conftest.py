@@ -63,12 +63,18 @@ def privileged_missing() -> str | None:
     return "; ".join(problems) or None
 
 
-@pytest.fixture
-def require_root() -> None:
-    """Skip (with the exact missing piece and its fix) unless real BPF can be loaded here."""
+@pytest.fixture(scope="session")
+def privileged() -> None:
+    """Skip (with the exact missing piece and its fix) unless real BPF can be loaded here; for
+    fixtures of any scope."""
     reason = privileged_missing()
     if reason:
         pytest.skip(f"privileged test needs: {reason}")
+
+
+@pytest.fixture
+def require_root(privileged: None) -> None:
+    """The same, for a test function."""
 
 
 @pytest.fixture(scope="session")

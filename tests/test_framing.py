@@ -27,15 +27,6 @@ pytestmark = pytest.mark.privileged
 SETTLE_S = 1.0  # for "no span appears": how long the pipeline is given to deliver one
 
 
-@pytest.fixture(scope="module")
-def privileged() -> None:
-    from conftest import privileged_missing
-
-    reason = privileged_missing()
-    if reason:
-        pytest.skip(f"privileged test needs: {reason}")
-
-
 @dataclass
 class Framing:
     agent: Agent

@@ -87,15 +87,6 @@ def report(text: str) -> None:
     print(f"[reliability] {text}", flush=True)
 
 
-@pytest.fixture(scope="module")
-def privileged() -> None:
-    from conftest import privileged_missing
-
-    reason = privileged_missing()
-    if reason:
-        pytest.skip(f"privileged test needs: {reason}")
-
-
 @dataclass
 class RelAgent:
     agent: Agent
