@@ -53,8 +53,12 @@ static __always_inline int response_headers_end(struct conn *c, struct http_reco
     }
     if ((c->head_bits & bit) || code == 204 || code == 304)
         return STEP_NEXT;
-    if (code == 101 || ((c->connect_bits & bit) && code >= 200 && code < 300)) {
-        c->flags |= CONN_IGNORED;               /* upgraded or tunnelled: no longer HTTP/1.x */
+    if (code == 101) {
+        c->flags |= CONN_H2 | CONN_H2_NEW;      /* upgraded: HTTP/2 if the next bytes say so */
+        return STEP_NEXT;
+    }
+    if ((c->connect_bits & bit) && code >= 200 && code < 300) {
+        c->flags |= CONN_IGNORED;               /* tunnelled: no longer HTTP/1.x */
         return STEP_NEXT;
     }
     if (fr & FR_TE) {
@@ -187,6 +191,10 @@ int scan_resp(void *ctx)
     }
     if (r == STEP_NEXT) {
         complete_response(s, c, seq, rec);
+        if (c->flags & CONN_H2) {               /* a 101: bpf/http2_scan.h goes on */
+            progs.call(ctx, PROG_H2_WR);
+            return 0;
+        }
     } else if (r == STEP_BAD) {
         lose_response(s, c, seq, rec,
                       in_body(c->rs.state) ? CNT_UNTRUSTED_CHUNKED : CNT_UNTRUSTED_RESPONSE_INVALID);
