@@ -20,7 +20,7 @@
  * Everything a step depends on is re-read from map memory (VLD), so the verifier sees the same
  * state at every loop head and prunes (BCC cannot load bpf_loop callbacks). */
 #ifndef H2_STEPS
-#define H2_STEPS 256
+#define H2_STEPS 16
 #endif
 
 /* step results beyond STEP_* (http_scan.h) */
@@ -750,7 +750,7 @@ static __always_inline int h2_step(struct scratch *s, struct conn *c, struct h2c
         return STEP_RELOAD;
     if (fs == F_HDR)
         return h2_frame_header(s, c, hc, d, e, dir, i);
-    if (fs == F_BLOCK && hs == HS_STR && d->kind == K_TP && d->spos == 0) {
+    if (fs == F_BLOCK && hs == HS_STR && d->kind == K_TP && d->phase == PH_VALLEN && !d->spos) {
         /* a traceparent value wholly in the window and the frame: one copy, not a byte a step */
         u32 n = d->slen;
         u32 at = i - s->base;
