@@ -49,6 +49,10 @@
  * EOS-padded; tests/test_hpack.py checks these words against agent/core/hpack.py). */
 #define HUFF_TRACEPARENT 0x3fa9851d6b21834dULL     /* 4d 83 21 6b 1d 85 a9 3f */
 #define HUFF_GRPC_STATUS 0x8fda3412b2c8ca9aULL     /* 9a ca c8 b2 12 34 da 8f */
+/* pseudo-header names, for an encoder that sends them as literals (gRPC core does for :path) */
+#define HUFF_PATH 0x3fd358b9ULL                     /* b9 58 d3 3f */
+#define HUFF_METHOD 0xe4395349b9ULL                 /* b9 49 53 39 e4 */
+#define HUFF_STATUS 0xa3368d84b8ULL                 /* b8 84 8d 36 a3 */
 
 static __always_inline u8 preface_byte(u32 k)
 {
@@ -482,13 +486,23 @@ static __always_inline int h2_str_done(struct h2conn *hc, struct h2dir *d, int d
         h2_field_done(hc, d, dir, rec);
         return STEP_GO;
     }
-    /* a literal name: ours are 11 bytes as sent, 8 Huffman-coded (names are lowercase) */
+    /* a literal name (names are lowercase): traceparent and grpc-status are 11 bytes as sent,
+     * 8 Huffman-coded; :path 5 (4), :method and :status 7 (5) */
     u8 kind = K_OTHER;
     u32 n = d->spos;
     u64 w0 = d->name0, w1 = d->name1;
     if (d->kind != K_OTHER) {
         if (d->huff && n == 8) {
             kind = w0 == HUFF_TRACEPARENT ? K_TP : w0 == HUFF_GRPC_STATUS ? K_GRPC_STATUS : K_OTHER;
+        } else if (d->huff && n == 4) {
+            kind = w0 == HUFF_PATH ? K_PATH : K_OTHER;
+        } else if (d->huff && n == 5) {
+            kind = w0 == HUFF_METHOD ? K_METHOD : w0 == HUFF_STATUS ? K_STATUS : K_OTHER;
+        } else if (!d->huff && n == 5) {
+            kind = w0 == LOW(word8(":path\0\0\0"), 5) ? K_PATH : K_OTHER;
+        } else if (!d->huff && n == 7) {
+            kind = w0 == LOW(word8(":method\0"), 7) ? K_METHOD :
+                   w0 == LOW(word8(":status\0"), 7) ? K_STATUS : K_OTHER;
         } else if (!d->huff && n == 11) {
             if (w0 == word8("tracepar") && w1 == LOW(word8("ent\0\0\0\0\0"), 3))
                 kind = K_TP;
