@@ -1,0 +1,348 @@
+"""HTTP/2 (h2c): one SERVER span per stream, in the caller's trace (bpf/http2_*.h).
+
+Real BPF as root: a grpcio server and client (traceparent as metadata, unary, server-streaming,
+a non-OK status), and hand-built frame sequences against a scripted server (tests/servers/
+h2raw.py) for the edge cases: a HEADERS frame split across reads, CONTINUATION, padding and
+priority, a traceparent indexed by one stream and reused by index on the next, RST_STREAM,
+GOAWAY, a malformed frame. Each gives the right span or is counted by reason, never a wrong
+trace id. The pure parts (Huffman coding, the kernel's name constants) are unit tests.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from harness import Agent, free_ports, new_traceparent, server
+from tracejoin.core.hpack import huffman_decode, huffman_encode
+from tracejoin.core.model import KIND_SERVER, STATUS_ERROR, Span
+from tracejoin.core.record import KERNEL_COUNTERS
+
+HERE = Path(__file__).parent
+GRPCSERVER = HERE / "servers" / "grpcserver.py"
+H2RAW = HERE / "servers" / "h2raw.py"
+BPF = HERE.parent / "bpf"
+
+SECRET = "Bearer tj-h2-SECRET-authorization"
+COOKIE = "session=tj-h2-SECRET-cookie"
+BODY = b"tj-h2-SECRET-body"
+
+
+# --------------------------------------------------------------------------- unit: HPACK
+
+
+def test_huffman_round_trip_and_rfc_vector() -> None:
+    # RFC 7541 C.4.1
+    assert huffman_encode(b"www.example.com").hex() == "f1e3c2e5f23a6ba0ab90f4ff"
+    assert huffman_decode(bytes.fromhex("f1e3c2e5f23a6ba0ab90f4ff")) == b"www.example.com"
+    for s in (b"", b"/tj.Echo/Say", bytes(range(256)), b"00-" + b"ab" * 30):
+        assert huffman_decode(huffman_encode(s)) == s
+
+
+def test_huffman_rejects_bad_padding_and_cuts_partial_prefixes() -> None:
+    assert huffman_decode(b"\x00") is None  # padding of zeros, not EOS ones
+    coded = huffman_encode(b"/a/long/path")
+    assert huffman_decode(coded[:-3]) is None
+    got = huffman_decode(coded[:-3], partial=True)
+    assert got is not None and b"/a/long/path".startswith(got)
+
+
+def test_kernel_name_constants_are_the_huffman_codes() -> None:
+    """bpf/http2_scan.h compares Huffman-coded names as little-endian words."""
+    src = (BPF / "http2_scan.h").read_text()
+    for macro, name in (
+        ("HUFF_TRACEPARENT", b"traceparent"),
+        ("HUFF_GRPC_STATUS", b"grpc-status"),
+        ("HUFF_PATH", b":path"),
+        ("HUFF_METHOD", b":method"),
+        ("HUFF_STATUS", b":status"),
+    ):
+        m = re.search(rf"#define {macro} (0x[0-9a-f]+)ULL", src)
+        assert m, macro
+        assert int(m.group(1), 16) == int.from_bytes(huffman_encode(name), "little"), macro
+
+
+# --------------------------------------------------------------------------- frames
+
+
+def frame(ftype: int, flags: int, sid: int, payload: bytes) -> bytes:
+    return (
+        len(payload).to_bytes(3, "big") + bytes([ftype, flags]) + sid.to_bytes(4, "big") + payload
+    )
+
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+SETTINGS = frame(4, 0, 0, b"")
+DATA, HEADERS, RST, GOAWAY, PING, CONT = 0, 1, 3, 7, 6, 9
+END_STREAM, END_HEADERS, PADDED, PRIORITY = 0x1, 0x4, 0x8, 0x20
+
+
+def hint(v: int, prefix: int, first: int = 0) -> bytes:
+    """An HPACK integer with a `prefix`-bit prefix; `first` holds the pattern bits."""
+    top = (1 << prefix) - 1
+    if v < top:
+        return bytes([first | v])
+    out, v = [first | top], v - top
+    while v >= 128:
+        out.append(v % 128 | 128)
+        v //= 128
+    return bytes([*out, v])
+
+
+def hstr(s: bytes, huff: bool = False) -> bytes:
+    data = huffman_encode(s) if huff else s
+    return hint(len(data), 7, 0x80 if huff else 0) + data
+
+
+def indexed(i: int) -> bytes:
+    return hint(i, 7, 0x80)
+
+
+def lit(name: bytes | int, value: bytes, inc: bool = False, huff: bool = False) -> bytes:
+    """A literal field: with incremental indexing (inc) or without; name by index or literal."""
+    prefix, first = (6, 0x40) if inc else (4, 0x00)
+    if isinstance(name, int):
+        return hint(name, prefix, first) + hstr(value, huff)
+    return bytes([first]) + hstr(name, huff) + hstr(value, huff)
+
+
+def request_block(path: bytes, tp: bytes | None, inc_tp: bool = False, huff: bool = False) -> bytes:
+    block = indexed(3) + lit(4, path, huff=huff) + indexed(7)  # POST, :path, :scheme http
+    block += lit(b"authorization", SECRET.encode()) + lit(b"cookie", COOKIE.encode())
+    if tp is not None:
+        block += lit(b"traceparent", tp, inc=inc_tp, huff=huff)
+    return block
+
+
+def response(sid: int, grpc_status: int = 0) -> bytes:
+    return (
+        frame(HEADERS, END_HEADERS, sid, indexed(8) + lit(b"content-type", b"application/grpc"))
+        + frame(DATA, 0, sid, b"\0\0\0\0\x05" + BODY[:5])
+        + frame(HEADERS, END_HEADERS | END_STREAM, sid, lit(b"grpc-status", b"%d" % grpc_status))
+    )
+
+
+class Scripted:
+    """tests/servers/h2raw.py and a client socket: send, then have the server read or write."""
+
+    def __init__(self, port: int) -> None:
+        import socket
+
+        self.proc = subprocess.Popen(
+            [sys.executable, str(H2RAW), str(port)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None and "ready" in self.proc.stdout.readline()
+        self.sock = socket.create_connection(("127.0.0.1", port))
+
+    def _cmd(self, line: str) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == "ok"
+
+    def client(self, data: bytes) -> None:
+        """The client sends `data` and the server reads it in one read."""
+        self.sock.sendall(data)
+        time.sleep(0.02)
+        self._cmd(f"read {len(data)}")
+
+    def server(self, data: bytes) -> None:
+        self._cmd(f"write {data.hex()}")
+        time.sleep(0.02)
+
+    def close(self) -> None:
+        self._cmd("close")
+        self.sock.close()
+        self.proc.kill()
+        self.proc.wait()
+
+
+# --------------------------------------------------------------------------- privileged
+
+
+@pytest.fixture(scope="module")
+def h2agent(privileged: None) -> Iterator[Agent]:
+    a = Agent(free_ports(6), None)
+    a.start()
+    try:
+        yield a
+    finally:
+        a.shutdown()
+
+
+def kernel_counter(agent: Agent, name: str) -> int:
+    idx = next(i for i, n in KERNEL_COUNTERS.items() if n == name)
+    bpf = agent.source._bpf
+    assert bpf is not None
+    return int(sum(bpf[b"counters"][idx]))
+
+
+def _server_spans(agent: Agent, port: int, n: int) -> list[Span]:
+    def mine(spans: list[Span]) -> list[Span]:
+        return [
+            s for s in spans if s.kind == KIND_SERVER and s.attributes.get("server.port") == port
+        ]
+
+    return mine(agent.wait_for(lambda sp: len(mine(sp)) >= n, 15.0))
+
+
+@contextmanager
+def grpc_server(port: int) -> Iterator[None]:
+    proc = subprocess.Popen(
+        [sys.executable, str(GRPCSERVER), str(port)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and "ready" in proc.stdout.readline()
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _no_secret_anywhere(spans: list[Span]) -> None:
+    text = repr([(s.name, s.attributes, s.status_message) for s in spans])
+    for secret in ("SECRET", "session=", "Bearer"):
+        assert secret not in text
+
+
+def test_grpcio_unary_streaming_and_error_status(h2agent: Agent) -> None:
+    grpc = pytest.importorskip("grpc")
+    port = h2agent.take_port()
+    with grpc_server(port):
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        calls = {}
+        for method, kind in (
+            ("Say", "unary"),
+            ("Stream", "stream"),
+            ("Fail", "unary"),
+            ("Say", "unary"),
+        ):
+            tp, tid, parent = new_traceparent()
+            md = (("traceparent", tp), ("authorization", SECRET), ("cookie", COOKIE))
+            if kind == "stream":
+                assert list(ch.unary_stream(f"/tj.Echo/{method}")(BODY, metadata=md)) == [BODY] * 3
+            else:
+                try:
+                    assert ch.unary_unary(f"/tj.Echo/{method}")(BODY, metadata=md) == BODY
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.INTERNAL and method == "Fail"
+            calls[tid] = (method, parent)
+        ch.close()
+        spans = _server_spans(h2agent, port, len(calls))
+    losses = {n: kernel_counter(h2agent, n) for n in KERNEL_COUNTERS.values() if n.startswith("h2")}
+    seen = [(s.attributes.get("tracejoin.http2.stream_id"), s.name, s.trace_id in calls) for s in spans]
+    assert {s.trace_id for s in spans} == set(calls), (losses, seen)
+    for s in spans:
+        method, parent = calls[s.trace_id]
+        a = s.attributes
+        assert s.parent_span_id == parent
+        assert s.name == f"tj.Echo/{method}"
+        assert a["rpc.system"] == "grpc" and a["rpc.service"] == "tj.Echo"
+        assert a["rpc.method"] == method and a["url.path"] == f"/tj.Echo/{method}"
+        assert a["network.protocol.version"] == "2" and a["http.request.method"] == "POST"
+        assert a["http.response.status_code"] == 200
+        if method == "Fail":
+            assert a["rpc.grpc.status_code"] == 13 and s.status_code == STATUS_ERROR
+        else:
+            assert a["rpc.grpc.status_code"] == 0 and s.status_code != STATUS_ERROR
+    _no_secret_anywhere(spans)
+
+
+def test_hand_built_frames(h2agent: Agent) -> None:
+    """Split HEADERS, CONTINUATION, padding and priority, a traceparent reused by index, a
+    literal :path with a query, RST_STREAM, GOAWAY: the right span for each stream."""
+    port = h2agent.take_port()
+    c = Scripted(port)
+    tps = {sid: new_traceparent() for sid in (1, 3, 5, 7, 9)}
+    try:
+        c.client(PREFACE + SETTINGS)
+        c.server(SETTINGS)
+        # stream 1: HEADERS split across two reads, the traceparent inserted into the table
+        h1 = frame(
+            HEADERS,
+            END_HEADERS,
+            1,
+            request_block(b"/a.B/One?q=SECRET", tps[1][0].encode(), inc_tp=True),
+        )
+        c.client(h1[:20])
+        c.client(h1[20:] + frame(DATA, END_STREAM, 1, BODY))
+        c.server(response(1))
+        # stream 3: the same traceparent, by index (the newest dynamic entry: 62)
+        c.client(
+            frame(
+                HEADERS, END_HEADERS | END_STREAM, 3, indexed(3) + lit(4, b"/a.B/Two") + indexed(62)
+            )
+        )
+        c.server(response(3, grpc_status=5))
+        # stream 5: PADDED + PRIORITY HEADERS continued by CONTINUATION, Huffman-coded values
+        block = request_block(b"/a.B/Three", tps[5][0].encode(), huff=True)
+        pad = 7
+        first = bytes([pad]) + b"\0\0\0\0\x10" + block[:9] + b"\0" * pad
+        c.client(
+            frame(HEADERS, PADDED | PRIORITY, 5, first) + frame(CONT, END_HEADERS, 5, block[9:])
+        )
+        c.server(response(5))
+        # stream 7: reset by the client before any response
+        c.client(frame(HEADERS, END_HEADERS, 7, request_block(b"/a.B/Four", tps[7][0].encode())))
+        c.client(frame(RST, 0, 7, b"\0\0\0\x08"))
+        # stream 9: open when the server sends GOAWAY with last stream 7
+        c.client(frame(HEADERS, END_HEADERS, 9, request_block(b"/a.B/Five", tps[9][0].encode())))
+        c.server(frame(GOAWAY, 0, 0, (7).to_bytes(4, "big") + b"\0\0\0\0"))
+        spans = _server_spans(h2agent, port, 5)
+    finally:
+        c.close()
+    by_stream = {s.attributes["tracejoin.http2.stream_id"]: s for s in spans}
+    assert set(by_stream) == {1, 3, 5, 7, 9}
+    assert by_stream[1].trace_id == tps[1][1] and by_stream[1].attributes["url.path"] == "/a.B/One"
+    assert by_stream[3].trace_id == tps[1][1]  # reused by index: the entry stream 1 inserted
+    assert by_stream[3].attributes["rpc.grpc.status_code"] == 5
+    assert (
+        by_stream[5].trace_id == tps[5][1] and by_stream[5].attributes["url.path"] == "/a.B/Three"
+    )
+    assert by_stream[7].trace_id == tps[7][1]
+    assert by_stream[7].attributes["tracejoin.http2.ended_by"] == "rst_stream"
+    assert by_stream[9].trace_id == tps[9][1]
+    assert by_stream[9].attributes["tracejoin.http2.ended_by"] == "goaway"
+    _no_secret_anywhere(spans)
+
+
+def test_malformed_frame_is_counted_never_a_wrong_trace(h2agent: Agent) -> None:
+    port = h2agent.take_port()
+    before = kernel_counter(h2agent, "h2_frame_invalid")
+    c = Scripted(port)
+    tp, tid, _ = new_traceparent()
+    try:
+        c.client(PREFACE + SETTINGS)
+        c.server(SETTINGS)
+        c.client(frame(HEADERS, END_HEADERS, 1, request_block(b"/a.B/C", tp.encode())))
+        c.client(frame(PING, 0, 0, b"\0" * 7))  # PING must be 8 bytes
+        other, other_tid, _ = new_traceparent()
+        c.client(frame(HEADERS, END_HEADERS, 3, request_block(b"/a.B/D", other.encode())))
+        spans = _server_spans(h2agent, port, 1)
+    finally:
+        c.close()
+    assert kernel_counter(h2agent, "h2_frame_invalid") == before + 1
+    assert [s.trace_id for s in spans] == [tid]  # stream 3 came after the loss: not opened
+    assert spans[0].attributes["tracejoin.http2.ended_by"] == "framing_lost"
+
+
+def test_http1_on_the_same_port_still_works(h2agent: Agent) -> None:
+    port = h2agent.take_port()
+    with server("threaded", port):
+        import urllib.request
+
+        tp, tid, parent = new_traceparent()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/plain", headers={"traceparent": tp})
+        urllib.request.urlopen(req, timeout=5).read()
+        spans = _server_spans(h2agent, port, 1)
+    assert spans[0].trace_id == tid and spans[0].parent_span_id == parent
+    assert "network.protocol.version" not in spans[0].attributes
