@@ -11,6 +11,8 @@
  *   http_conn.h      connection lifecycle: syscall buffers, TCP states, socket data, flush
  *   http_request.h   request scanner (tail call)
  *   http_response.h  response scanner (tail call); emits the record
+ *   http2_conn.h     HTTP/2 (h2c) connection state and the hand-off from the HTTP/1.x path
+ *   http2_scan.h     HTTP/2 frames and HPACK (tail calls); one record per stream
  * `tracejoin ebpf` prints the unit as compiled: includes inlined, defines applied.
  *
  * Only tracepoints and perf events (no kprobes, no struct dereferences): every value comes from

@@ -239,7 +239,9 @@ def test_grpcio_unary_streaming_and_error_status(h2agent: Agent) -> None:
         ch.close()
         spans = _server_spans(h2agent, port, len(calls))
     losses = {n: kernel_counter(h2agent, n) for n in KERNEL_COUNTERS.values() if n.startswith("h2")}
-    seen = [(s.attributes.get("tracejoin.http2.stream_id"), s.name, s.trace_id in calls) for s in spans]
+    seen = [
+        (s.attributes.get("tracejoin.http2.stream_id"), s.name, s.trace_id in calls) for s in spans
+    ]
     assert {s.trace_id for s in spans} == set(calls), (losses, seen)
     for s in spans:
         method, parent = calls[s.trace_id]
@@ -325,7 +327,7 @@ def test_malformed_frame_is_counted_never_a_wrong_trace(h2agent: Agent) -> None:
         c.server(SETTINGS)
         c.client(frame(HEADERS, END_HEADERS, 1, request_block(b"/a.B/C", tp.encode())))
         c.client(frame(PING, 0, 0, b"\0" * 7))  # PING must be 8 bytes
-        other, other_tid, _ = new_traceparent()
+        other, _, _ = new_traceparent()
         c.client(frame(HEADERS, END_HEADERS, 3, request_block(b"/a.B/D", other.encode())))
         spans = _server_spans(h2agent, port, 1)
     finally:
