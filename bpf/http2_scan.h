@@ -20,7 +20,7 @@
  * Everything a step depends on is re-read from map memory (VLD), so the verifier sees the same
  * state at every loop head and prunes (BCC cannot load bpf_loop callbacks). */
 #ifndef H2_STEPS
-#define H2_STEPS 16
+#define H2_STEPS 20
 #endif
 
 /* step results beyond STEP_* (http_scan.h) */
@@ -770,6 +770,22 @@ static __always_inline int h2_step(struct scratch *s, struct conn *c, struct h2c
         u32 at = i - s->base;
         if (n <= TP_CAP && n <= d->left && at + n <= s->n) {
             bpf_probe_read_kernel(rec->tp, n & 63, &s->buf[at & (SCRATCH_SIZE - 1)]);
+            s->off = i + n;
+            d->left -= n;
+            d->slen = 0;
+            d->spos = n;
+            return STEP_GO;
+        }
+    }
+    if (fs == F_BLOCK && hs == HS_STR && d->phase == PH_NAMELEN && !d->spos) {
+        /* a short literal name wholly in the window and the frame: two words, one step */
+        u32 n = d->slen;
+        u32 at = i - s->base;
+        if (n <= 16 && n <= d->left && at + 16 <= s->n) {
+            u64 w0 = *(u64 *)&s->buf[at & (SCRATCH_SIZE - 1)];
+            u64 w1 = *(u64 *)&s->buf[(at + 8) & (SCRATCH_SIZE - 1)];
+            d->name0 = n >= 8 ? w0 : w0 & ((1ULL << (8 * n)) - 1);
+            d->name1 = n >= 16 ? w1 : n <= 8 ? 0 : w1 & ((1ULL << (8 * (n - 8))) - 1);
             s->off = i + n;
             d->left -= n;
             d->slen = 0;
