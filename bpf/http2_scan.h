@@ -238,7 +238,8 @@ static __always_inline int h2_frame(struct scratch *s, struct conn *c, struct h2
 }
 
 /* The current frame's payload is used up. */
-static __always_inline int h2_frame_done(struct h2dir *d, struct h2end *e, int dir)
+static __always_inline int h2_frame_done(struct h2dir *d, struct h2end *e, int dir,
+                                         struct http_record *rec)
 {
     d->fstate = F_HDR;
     d->hgot = 0;
@@ -246,6 +247,8 @@ static __always_inline int h2_frame_done(struct h2dir *d, struct h2end *e, int d
     if ((t == FT_HEADERS || t == FT_CONT || t == FT_PUSH) && !d->block) {
         if (d->hs != HS_REP)
             return H2_BAD_HPACK;        /* a field cut by the end of its block */
+        if (dir == DIR_RD && t != FT_PUSH && !d->ghost)
+            rec->flags |= REQF_HDR_DONE;    /* its traceparent, if any, has been seen */
         if (dir == DIR_WR && d->endafter && !d->ghost)
             return h2_push_end(e, d->bsid, 0);      /* HEADERS with END_STREAM: trailers */
     }
@@ -603,7 +606,7 @@ static __always_inline void h2_str_byte(struct h2dir *d, struct http_record *rec
         if (!d->huff && (b == '?' || b == '#'))
             d->kind = K_OTHER;          /* the query is never copied: the rest is skipped */
         else if (pl < HTTP_PATH_MAX) {
-            rec->path[pl & (HTTP_PATH_MAX - 1)] = b;
+            rec->path[pl] = b;
             rec->path_len = pl + 1;
         } else {
             rec->flags |= REQF_PATH_TRUNC;
@@ -659,7 +662,8 @@ static __always_inline int h2_hpack_byte(struct h2dir *d, struct http_record *re
 }
 
 /* The current frame's payload (padding excluded) is used up: skip its padding, or end it. */
-static __always_inline int h2_payload_end(struct h2dir *d, struct h2end *e, int dir)
+static __always_inline int h2_payload_end(struct h2dir *d, struct h2end *e, int dir,
+                                          struct http_record *rec)
 {
     if (d->padleft) {
         d->left = d->padleft;
@@ -667,7 +671,7 @@ static __always_inline int h2_payload_end(struct h2dir *d, struct h2end *e, int 
         d->fstate = F_SKIP;
         return STEP_GO;
     }
-    return h2_frame_done(d, e, dir);
+    return h2_frame_done(d, e, dir, rec);
 }
 
 /* One byte before a header block (pad length, priority, promised id) or of GOAWAY's last id. */
@@ -742,7 +746,7 @@ static __always_inline int h2_step(struct scratch *s, struct conn *c, struct h2c
     if (fs == F_BLOCK && hs == HS_STR && d->slen == 0)
         return h2_str_done(hc, d, dir, rec);
     if (fs != F_HDR && d->left == 0)
-        return fs == F_SKIP ? h2_frame_done(d, e, dir) : h2_payload_end(d, e, dir);
+        return fs == F_SKIP ? h2_frame_done(d, e, dir, rec) : h2_payload_end(d, e, dir, rec);
     if (i >= s->total)
         return STEP_STOP;
     if (fs == F_SKIP || (fs == F_BLOCK && hs == HS_STR && d->kind == K_OTHER)) {
@@ -893,7 +897,7 @@ static __always_inline int h2_scan(void *ctx, int dir)
             goto out;
     }
     /* one record pointer for the whole loop: the open block's, else the ghost */
-    struct http_record *rec = (d->fstate == F_PRE || d->fstate == F_BLOCK) ?
+    struct http_record *rec = (d->fstate == F_PRE || d->fstate == F_BLOCK || d->block) ?
                               h2_block_rec(s, d) : ghost_record(sk);
     if (!rec)
         goto out;
@@ -961,6 +965,13 @@ static __always_inline void h2_finish(struct scratch *s, u64 sk, struct conn *c,
     struct http_record *rec = reqs.lookup(&key);
     if (!rec) {
         count(CNT_H2_STATE_LOST);
+        return;
+    }
+    if (!(rec->flags & REQF_HDR_DONE)) {
+        /* its header block never completed: whether it carried a traceparent is unknown, and
+         * a span without one would be a guess (a new trace) */
+        count(CNT_H2_HEADERS_CUT);
+        reqs.delete(&key);
         return;
     }
     rec->h2_flags |= why;

@@ -208,6 +208,7 @@ struct http_record {
                                     * value the kernel does not hold (evicted, or not copied) */
 #define CNT_H2_DYN_BEYOND       39 /* ... to an entry older than the H2_KINDS insertions tracked */
 #define CNT_H2_STATE_LOST       40 /* stream or connection state evicted before the stream ended */
+#define CNT_H2_HEADERS_CUT      41 /* streams that ended before their header block did: not emitted */
 #define CNT_MAX                  64 /* size of the map: indices in use are below it */
 
 #endif

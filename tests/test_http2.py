@@ -10,7 +10,10 @@ trace id. The pure parts (Huffman coding, the kernel's name constants) are unit 
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -27,6 +30,8 @@ from tracejoin.core.record import KERNEL_COUNTERS
 HERE = Path(__file__).parent
 GRPCSERVER = HERE / "servers" / "grpcserver.py"
 H2RAW = HERE / "servers" / "h2raw.py"
+GOH2C = HERE / "servers" / "goh2c"
+CACHE = Path(os.environ.get("TRACEJOIN_CACHE", "/var/cache/tracejoin"))
 BPF = HERE.parent / "bpf"
 
 SECRET = "Bearer tj-h2-SECRET-authorization"
@@ -348,3 +353,52 @@ def test_http1_on_the_same_port_still_works(h2agent: Agent) -> None:
         spans = _server_spans(h2agent, port, 1)
     assert spans[0].trace_id == tid and spans[0].parent_span_id == parent
     assert "network.protocol.version" not in spans[0].attributes
+
+
+def goh2c_binary() -> Path:
+    """tests/servers/goh2c (golang.org/x/net/http2 via the Go module proxy), built once and
+    cached by the hash of its sources."""
+    h = hashlib.sha256()
+    for name in ("main.go", "go.mod", "go.sum"):
+        h.update((GOH2C / name).read_bytes())
+    out = CACHE / f"tj-goh2c-{h.hexdigest()[:12]}"
+    if not out.exists():
+        if shutil.which("go") is None:
+            pytest.skip("go is not installed (the h2c server and client are built from source)")
+        CACHE.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["go", "build", "-o", str(out), "."], cwd=GOH2C, check=True)
+    return out
+
+
+def test_go_h2c_200_concurrent_streams_on_one_connection(h2agent: Agent) -> None:
+    """Go's HPACK Huffman-codes the traceparent and the path and indexes every field. Every
+    span has the trace id its request carried; streams not emitted are counted by reason."""
+    binary = goh2c_binary()
+    port = h2agent.take_port()
+    lost_before = sum(kernel_counter(h2agent, n) for n in ("h2_unscanned", "h2_headers_cut"))
+    srv = subprocess.Popen([str(binary), "server", str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert srv.stdout is not None and "ready" in srv.stdout.readline()
+        out = subprocess.run(
+            [str(binary), "client", str(port), "200"], capture_output=True, text=True, timeout=60
+        ).stdout.split()
+        sent = {int(tp.split("-")[1], 16): int(tp.split("-")[2], 16) for tp in out[::2]}
+        assert len(sent) == 200 and set(out[1::2]) == {"200"}
+        h2agent.wait_for(
+            lambda sp: len([s for s in sp if s.attributes.get("server.port") == port]) >= 200, 10
+        )
+        spans = [
+            s
+            for s in h2agent.spans()
+            if s.kind == KIND_SERVER and s.attributes.get("server.port") == port
+        ]
+    finally:
+        srv.kill()
+        srv.wait()
+    assert spans
+    for s in spans:
+        assert s.trace_id in sent and s.parent_span_id == sent[s.trace_id]
+        assert s.attributes["url.path"].startswith("/echo/")  # Huffman-decoded, query cut
+    lost = sum(kernel_counter(h2agent, n) for n in ("h2_unscanned", "h2_headers_cut")) - lost_before
+    assert len(spans) == 200 or lost > 0
+    _no_secret_anywhere(spans)

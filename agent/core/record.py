@@ -111,6 +111,7 @@ CNT_H2_PREFACE_BAD = 37
 CNT_H2_DYN_UNRESOLVED = 38
 CNT_H2_DYN_BEYOND = 39
 CNT_H2_STATE_LOST = 40
+CNT_H2_HEADERS_CUT = 41
 CNT_MAX = 64
 
 # CNT_FOO is exported as `kernel_foo`: index -> name, and each name's help text.
@@ -144,6 +145,7 @@ KERNEL_COUNTERS: dict[int, str] = {
     CNT_H2_DYN_UNRESOLVED: "h2_dyn_unresolved",
     CNT_H2_DYN_BEYOND: "h2_dyn_beyond",
     CNT_H2_STATE_LOST: "h2_state_lost",
+    CNT_H2_HEADERS_CUT: "h2_headers_cut",
 }
 KERNEL_COUNTER_HELP: dict[str, str] = {
     "records_submitted": "Records the kernel tried to emit (one per request)",
@@ -191,6 +193,8 @@ KERNEL_COUNTER_HELP: dict[str, str] = {
     "h2_dyn_beyond": "HTTP/2 fields referring to a dynamic-table entry older than the 128 "
     "insertions the kernel tracks",
     "h2_state_lost": "HTTP/2 stream or connection state evicted before the stream ended",
+    "h2_headers_cut": "HTTP/2 streams that ended (framing lost, reset, close) before their "
+    "request headers did: not emitted, since their traceparent is unknown",
 }
 
 
