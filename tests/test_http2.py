@@ -73,6 +73,21 @@ def test_kernel_name_constants_are_the_huffman_codes() -> None:
         assert int(m.group(1), 16) == int.from_bytes(huffman_encode(name), "little"), macro
 
 
+def test_capture_summary_groups_grpc_by_method_with_status() -> None:
+    from tracejoin.commands.summary import Summary
+
+    s = Summary()
+    for code in (0, 0, 13):
+        attrs = {
+            "rpc.system": "grpc",
+            "rpc.grpc.status_code": code,
+            "http.response.status_code": 200,
+        }
+        s.add("tj.Echo/Say", "ab" * 16, 1_000_000, code == 13, 200, attrs)
+    text = s.format()
+    assert "tj.Echo/Say" in text and "grpc status: OK 2, INTERNAL 1" in text
+
+
 # --------------------------------------------------------------------------- frames
 
 
