@@ -4,6 +4,8 @@
 //	goh2c server PORT            serve /echo over h2c (prior knowledge); print "ready"
 //	goh2c client PORT N          N concurrent requests on one connection, each with its own
 //	                             traceparent; print "TRACEPARENT STATUS" per request
+//	goh2c load PORT SECONDS C    C concurrent request loops on one connection for SECONDS
+//	                             (bench/h2c.py); print "REQUESTS ERRORS P50_US P99_US"
 package main
 
 import (
@@ -16,8 +18,10 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"sort"
 	"strconv"
 	"sync"
+	"time"
 
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/h2c"
@@ -84,6 +88,55 @@ func client(port string, n int) {
 	}
 }
 
+func load(port string, seconds float64, conc int) {
+	tr := &http2.Transport{
+		AllowHTTP: true,
+		DialTLSContext: func(ctx context.Context, network, addr string, _ *tls.Config) (net.Conn, error) {
+			return (&net.Dialer{}).DialContext(ctx, network, addr)
+		},
+	}
+	c := &http.Client{Transport: tr}
+	end := time.Now().Add(time.Duration(seconds * float64(time.Second)))
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var lat []time.Duration
+	errors := 0
+	for g := 0; g < conc; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var mine []time.Duration
+			bad := 0
+			for time.Now().Before(end) {
+				req, _ := http.NewRequest("GET", "http://127.0.0.1:"+port+"/echo/x", nil)
+				req.Header.Set("traceparent", traceparent())
+				t0 := time.Now()
+				resp, err := c.Do(req)
+				if err != nil {
+					bad++
+					continue
+				}
+				io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+				mine = append(mine, time.Since(t0))
+			}
+			mu.Lock()
+			lat = append(lat, mine...)
+			errors += bad
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
+	pct := func(p float64) int64 {
+		if len(lat) == 0 {
+			return 0
+		}
+		return lat[int(p*float64(len(lat)-1))].Microseconds()
+	}
+	fmt.Printf("%d %d %d %d\n", len(lat), errors, pct(0.5), pct(0.99))
+}
+
 func main() {
 	switch os.Args[1] {
 	case "server":
@@ -91,5 +144,9 @@ func main() {
 	case "client":
 		n, _ := strconv.Atoi(os.Args[3])
 		client(os.Args[2], n)
+	case "load":
+		s, _ := strconv.ParseFloat(os.Args[3], 64)
+		n, _ := strconv.Atoi(os.Args[4])
+		load(os.Args[2], s, n)
 	}
 }
