@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ons = [p for k, p in phases if k == "on"]
     mean = lambda xs, key: sum(x[key] for x in xs) / len(xs)  # noqa: E731
     print(f"h2c, {args.concurrency} streams on one connection, {seconds:.0f} s phases")
+    row = "  {:<3} {:>9.0f} req/s  p50 {:>6.0f} us  p99 {:>6.0f} us{}"
     for kind, p in phases:
         shown = {k: v for k, v in p.items() if k.startswith(("records", "kernel"))}
         extra = "".join(f"  {k}={v:g}" for k, v in shown.items())
