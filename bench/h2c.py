@@ -98,9 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind, p in phases:
         shown = {k: v for k, v in p.items() if k.startswith(("records", "kernel"))}
         extra = "".join(f"  {k}={v:g}" for k, v in shown.items())
-        print(
-            f"  {kind:<3} {p['rps']:>9.0f} req/s  p50 {p['p50_us']:>6.0f} us  p99 {p['p99_us']:>6.0f} us{extra}"
-        )
+        print(row.format(kind, p["rps"], p["p50_us"], p["p99_us"], extra))
     for key in ("rps", "p50_us", "p99_us"):
         off, on = mean(offs, key), mean(ons, key)
         print(f"  {key:<7} off {off:>9.0f}  on {on:>9.0f}  on/off {on / off:.3f}")
