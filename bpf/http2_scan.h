@@ -19,9 +19,7 @@
 /* Decoder steps per program before tail-calling the next for the rest of a read or write.
  * Everything a step depends on is re-read from map memory (VLD), so the verifier sees the same
  * state at every loop head and prunes (BCC cannot load bpf_loop callbacks). */
-#ifndef H2_STEPS
-#define H2_STEPS 20
-#endif
+#define H2_STEPS 20             /* 20: ~710k instructions processed of the 1M limit */
 
 /* step results beyond STEP_* (http_scan.h) */
 #define H2_REC 16               /* a header block started: look its record up */
