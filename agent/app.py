@@ -23,8 +23,13 @@ from tracejoin.config import ConfigError, Settings
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import AttrValue
 from tracejoin.enrich.enricher import Enricher
+from tracejoin.enrich.inspector import ProcessInspector
 from tracejoin.enrich.k8s import KubeletClient, expand_node_name
-from tracejoin.enrich.resources import ResourceResolver, env_resource_attributes
+from tracejoin.enrich.resources import (
+    ResourceResolver,
+    env_resource_attributes,
+    parse_instrumented_services,
+)
 from tracejoin.kernel.probes import OPTIONAL_TRACEPOINTS, HttpProbes, ProbeConfig, ProbeStatus
 from tracejoin.pipeline.spans import SpanOptions
 from tracejoin.pipeline.stages import (
@@ -220,7 +225,7 @@ class Agent:
             self.resources.start()
             enricher = Enricher(
                 self.metrics,
-                self.resources.resource,
+                self.resources.served,
                 no_parent=s.no_parent,
                 unsampled=s.unsampled,
             )
@@ -296,6 +301,10 @@ def build_agent(
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     kubelet = kubelet_client(s)
+    try:
+        instrumented_services = parse_instrumented_services(s.instrumented_services)
+    except ValueError as exc:
+        raise ConfigError(f"--instrumented-services: {exc}") from exc
 
     def make_resources(static: dict[str, AttrValue]) -> ResourceResolver:
         # built once the probes say what the static attributes are (the TLB mode)
@@ -305,6 +314,11 @@ def build_agent(
             static=static,
             kubelet=kubelet,
             node_name=s.node_name,
+            inspector=ProcessInspector(
+                metrics, read_environ=s.read_environ, otlp_ports=s.otlp_ports
+            ),
+            instrumented=s.instrumented,
+            instrumented_services=instrumented_services,
         )
 
     if source is None:

@@ -116,6 +116,38 @@ class Settings:
         "service.name for all spans (default: the process name).",
         "OTEL_SERVICE_NAME",
     )
+    read_environ: bool = option(
+        False,
+        bool,
+        "Read OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES (only those) from each served "
+        "process's /proc/<pid>/environ to name its spans (needs CAP_SYS_PTRACE for another "
+        "user's process).",
+        ENV + "READ_ENVIRON",
+    )
+    instrumented: str = option(
+        "auto",
+        click.Choice(["auto", "yes", "no"]),
+        "Served processes that make their own SERVER spans get tracejoin's as an INTERNAL "
+        "'<name> (kernel)' span: auto (a published process context, or a connection to an "
+        "OTLP port), or yes/no for every process.",
+        ENV + "INSTRUMENTED",
+    )
+    instrumented_services: tuple[str, ...] = option(
+        (),
+        str,
+        "Per service.name, overrides --instrumented: name=yes or name=no (repeatable, or "
+        "comma-separated).",
+        ENV + "INSTRUMENTED_SERVICES",
+        multiple=True,
+    )
+    otlp_ports: tuple[int, ...] = option(
+        (4317, 4318),
+        click.IntRange(1, 65535),
+        "TCP ports of OTLP receivers: a served process connected to one is taken as "
+        "instrumented (--instrumented auto) (repeatable).",
+        ENV + "OTLP_PORTS",
+        multiple=True,
+    )
     # The file's value is passed to the exporter as an override, which would outrank every
     # OTEL_* variable: it yields to the traces-specific one so that environment > file holds.
     otlp_endpoint: str | None = option(

@@ -97,6 +97,17 @@ PROBE_SIGNALS = (  # tracejoin.kernel.probes: OPTIONAL_SIGNALS, page_faults, tlb
     "tlb_flush_fallback",
     "tlb_off",
 )
+SERVICE_NAME_SOURCES = (  # tracejoin.enrich.resources.SERVICE_NAME_SOURCES
+    "config",
+    "process_context",
+    "environ",
+    "k8s_annotation",
+    "k8s_label",
+    "k8s_workload",
+    "process_name",
+    "unknown",
+)
+PROCESS_CONTEXT_INVALID = ("signature", "version", "size", "torn", "decode")  # process_context
 SPAN_DROP_REASONS = ("queue_full", "export_failed", "rejected", "shutdown")  # exporters.queue
 
 METRICS: tuple[Metric, ...] = (
@@ -189,7 +200,10 @@ METRICS: tuple[Metric, ...] = (
         "fd went away).",
         "what",
         "reason",
-        values={"what": ("fd", "netns", "exe"), "reason": ("denied", "gone")},
+        values={
+            "what": ("fd", "netns", "exe", "process_context", "environ"),
+            "reason": ("denied", "gone"),
+        },
     ),
     counter(
         "capture_tick_errors",
@@ -214,6 +228,27 @@ METRICS: tuple[Metric, ...] = (
         "Served processes that had exited before /proc could be read (their spans say "
         "service.name unknown_service).",
     ),
+    counter(
+        "service_name_resolved",
+        "Process resources built, by where their service.name came from "
+        "(docs/attributes.md, service.name).",
+        "source",
+        values={"source": SERVICE_NAME_SOURCES},
+    ),
+    counter(
+        "process_context_invalid",
+        "OTEL_CTX mappings (OTEP 4719) that held no readable context, by reason: signature, "
+        "version, size (payload size or address out of bounds), torn (rewritten during every "
+        "read), decode (not a protobuf Resource).",
+        "reason",
+        values={"reason": PROCESS_CONTEXT_INVALID},
+    ),
+    counter(
+        "process_inspection_late",
+        "First lookups of a process that did not wait for its inspection (its maps, environment "
+        "and connections took longer than 50 ms to read): its first spans use the next source.",
+    ),
+    counter("process_inspection_errors", "Process inspections that raised (they go on)."),
     counter("kubelet_refreshes", "Pod lists read from the kubelet."),
     counter(
         "kubelet_errors",

@@ -2,6 +2,11 @@
 for the intervals the kernel timed (receive-queue wait, long run-queue waits) and one per helper
 thread of the request's work set.
 
+When the serving process makes its own SERVER span (it is instrumented), the request's span is
+the kernel's view of the same hop: kind INTERNAL, named "<method> <route> (kernel)", with the
+same parent (the caller's span) and the same attributes, so the hop keeps one SERVER span
+(docs/attributes.md, "Instrumented services").
+
 A pure function of the enriched record and the live signal set: nothing here reads the host.
 An attribute is emitted only when its signal was on, so an absent value never reads as a measured
 zero ("0 retransmits" when tcp:tcp_probe was missing would be a lie).
@@ -56,6 +61,7 @@ _ID_SEGMENT = re.compile(
     r"^(?:\d+|[0-9a-fA-F]{8,}|[0-9a-fA-F-]{32,36}|(?=[^/]*\d)[A-Za-z0-9_\-]{16,})$"
 )
 MAX_ROUTE_SEGMENTS = 4
+KERNEL_SUFFIX = " (kernel)"  # the request span's name beside an instrumented server's own
 
 
 def route_of(path: str) -> str:
@@ -119,6 +125,10 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
         attrs["server.port"] = ep.local_port
         attrs["client.address"] = ep.peer_addr
         attrs["client.port"] = ep.peer_port
+    if e.service_name_source:
+        attrs["tracejoin.service_name.source"] = e.service_name_source
+    if e.instrumented:
+        attrs["tracejoin.instrumented.source"] = e.instrumented
     if e.rejected is not None:
         attrs["tracejoin.traceparent.rejected"] = e.rejected
     if rec.flags & REQF_PATH_TRUNC:
@@ -166,12 +176,13 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
     elif rec.status >= 500:
         status = STATUS_ERROR
 
+    name = f"{'HTTP' if method == OTHER_METHOD else method} {route_of(path)}"
     server = Span(
         trace_id=e.trace_id,
         span_id=new_id(64),
         parent_span_id=e.parent_id,
-        name=f"{'HTTP' if method == OTHER_METHOD else method} {route_of(path)}",
-        kind=KIND_SERVER,
+        name=f"{name}{KERNEL_SUFFIX}" if e.instrumented else name,
+        kind=KIND_INTERNAL if e.instrumented else KIND_SERVER,
         start_ns=e.epoch_ns(e.start_mono_ns),
         end_ns=e.epoch_ns(e.end_mono_ns),
         resource=e.resource,
