@@ -151,7 +151,8 @@ def _capture(
 
     def on_spans(spans: list[Span], _rec: HttpRecord) -> None:
         with lock:
-            summary.add_span(spans[0])
+            for span in spans:  # the request's span, and its children for the example traces
+                summary.add_span(span)
 
     agent = build_agent(
         s, metrics, destinations, source=source, gpu_sampler=gpu_sampler, observers=[on_spans]
