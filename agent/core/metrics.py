@@ -245,8 +245,9 @@ METRICS: tuple[Metric, ...] = (
     ),
     counter(
         "process_inspection_late",
-        "First lookups of a process that did not wait for its inspection (its maps, environment "
-        "and connections took longer than 50 ms to read): its first spans use the next source.",
+        "First lookups of a process that went on without its inspection (its maps, environment "
+        "and connections took over 100 ms to read, or another process was waited for less than "
+        "1 s before): its first spans use the sources known without it.",
     ),
     counter("process_inspection_errors", "Process inspections that raised (they go on)."),
     counter("kubelet_refreshes", "Pod lists read from the kubelet."),

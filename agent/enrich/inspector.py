@@ -42,7 +42,13 @@ log = logging.getLogger(__name__)
 
 OTLP_PORTS = (4317, 4318)
 REFRESH_S = 10.0
-FIRST_WAIT_S = 0.05
+# A new process's first lookup waits this long for its inspection, at most once per
+# WAIT_INTERVAL_S, so a burst of new processes cannot hold the reader for more than a tenth of
+# its time. Reading a network namespace's TCP table walks the kernel's whole connection hash:
+# about 15 ms per address family on a host with a large one (measured here: 20 ms for
+# /proc/net/tcp with 226 entries, 15 ms for tcp6 with 4).
+FIRST_WAIT_S = 0.1
+WAIT_INTERVAL_S = 1.0
 MAX_ENTRIES = 4096
 TCP_ESTABLISHED = "01"
 
@@ -93,6 +99,7 @@ class ProcessInspector:
         self._stop = False
         # network namespace -> (inodes of its connections to an OTLP port, when read)
         self._netns: dict[str, tuple[frozenset[int], float]] = {}
+        self._waited_at = -WAIT_INTERVAL_S  # clock() of the last first-lookup wait
         self.generation = 0  # bumped whenever an inspection's result changes
 
     def start(self) -> None:
@@ -112,7 +119,8 @@ class ProcessInspector:
     def get(self, key: Key) -> Inspection | None:
         """The last inspection of the process; asks for a new one when it is older than
         `refresh_s`. The first time a process is asked about, waits up to `first_wait_s` for
-        it; None if it did not come in time (counted: process_inspection_late)."""
+        it (unless it waited for another process less than WAIT_INTERVAL_S ago); None if it did
+        not come in time (counted: process_inspection_late)."""
         now = self._clock()
         with self._lock:
             got = self._results.get(key)
@@ -127,6 +135,10 @@ class ProcessInspector:
             pending = self._ask(key) if started else None
         if pending is None:  # not started: inspect here
             return self._inspect(key)
+        if now - self._waited_at < WAIT_INTERVAL_S:
+            self.metrics.inc("process_inspection_late")  # waited for another one just now
+            return None
+        self._waited_at = now
         if not pending.wait(self.first_wait_s):
             self.metrics.inc("process_inspection_late")
         with self._lock:
