@@ -450,8 +450,8 @@ class Summary:
             out.append(f"    caller span {ex.parent_id}" if ex.parent_id else "    (new trace)")
             if case:
                 out.append(
-                    f"    ├─ {ex.name.removesuffix(' (kernel)')}  SERVER  "
-                    "the app's own SERVER span, from its SDK (not in this capture)"
+                    "    ├─ the app's own SERVER span, from its SDK "
+                    "(in Jaeger, not in this capture)"
                 )
             out.append(
                 f"    └─ {ex.name}  {ex.kind}  {ex.service}  {_ms(ex.duration_ns / 1e6)} ms"

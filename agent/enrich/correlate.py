@@ -28,10 +28,10 @@ _NEEDS = {
     "netns": "CAP_SYS_PTRACE: connections older than the agent keep no addresses where "
     "tcp:tcp_rcv_space_adjust cannot give them",
     "exe": "CAP_SYS_PTRACE: process.executable.name is the 15-character comm instead",
-    "process_context": "CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH: the service.name a process publishes (OTEP 4719) is "
-    "not read; the next source names it",
-    "environ": "CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH: OTEL_SERVICE_NAME of a process is not read (--read-environ); "
-    "the next source names it",
+    "process_context": "CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH: the service.name a process "
+    "publishes (OTEP 4719) is not read; the next source names it",
+    "environ": "CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH: OTEL_SERVICE_NAME of a process is not "
+    "read (--read-environ); the next source names it",
 }
 
 

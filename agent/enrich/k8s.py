@@ -7,7 +7,8 @@ Where each value comes from:
   - k8s.pod.name, k8s.namespace.name, k8s.container.name, the workload and the derived
     service.name: the kubelet's pod list, only when --kubelet-url is set;
   - k8s.node.name: --node-name / NODE_NAME (the downward API's spec.nodeName).
-Never from the served process's environment: it can hold secrets.
+Never from the served process's environment: it can hold secrets (only resources.py reads two
+OTEL_* variables of it, with --read-environ).
 
 The kubelet is asked from a background thread (PodCache), never from the thread that reads the
 ring buffer: when a pod's container is not in the last list (at most once per MIN_REFRESH_S, a
