@@ -68,6 +68,19 @@ def otel_server(
         proc.wait()
 
 
+def inspected(agent: Agent, pid: int, timeout_s: float = 30.0) -> None:
+    """Wait until the agent's inspector has read the server once. Its first lookup waits at
+    most 100 ms for that, and on a loaded host reading the network namespace's TCP tables can
+    take longer (docs/attributes.md): the claim tested is the steady state, every request."""
+    resources = agent.app.resources
+    assert resources is not None and resources.inspector is not None
+    key = (pid, psutil.Process(pid).create_time())
+    deadline = time.monotonic() + timeout_s
+    while resources.inspector.get(key) is None:
+        assert time.monotonic() < deadline, "the server was never inspected"
+        time.sleep(0.1)
+
+
 def call_work(port: int, jaeger: Jaeger, n: int) -> list[tuple[str, str]]:
     """n GETs of /work from an instrumented client: [(trace id, client span id)]."""
     provider = TracerProvider(resource=Resource.create({"service.name": "app-client"}))
@@ -131,7 +144,8 @@ def check_one_server_span_per_hop(
 def test_instrumented_server_named_by_its_environment(id_agent: Agent, jaeger: Jaeger) -> None:
     service = f"app-server-{secrets.token_hex(3)}"
     port = id_agent.take_port()
-    with otel_server(port, jaeger, [], {"OTEL_SERVICE_NAME": service, "DB_PASSWORD": "x"}):
+    with otel_server(port, jaeger, [], {"OTEL_SERVICE_NAME": service, "DB_PASSWORD": "x"}) as p:
+        inspected(id_agent, p.pid)
         calls = call_work(port, jaeger, REQUESTS)
         check_one_server_span_per_hop(jaeger, calls, service, "environ", "otlp_connection")
 
@@ -140,7 +154,8 @@ def test_instrumented_server_named_by_its_process_context(id_agent: Agent, jaege
     """No OTEL_* variable: the name is the SDK's, published in the OTEL_CTX mapping only."""
     service = f"ctx-server-{secrets.token_hex(3)}"
     port = id_agent.take_port()
-    with otel_server(port, jaeger, ["--service-name", service, "--publish-context"], {}):
+    with otel_server(port, jaeger, ["--service-name", service, "--publish-context"], {}) as p:
+        inspected(id_agent, p.pid)
         calls = call_work(port, jaeger, REQUESTS)
         check_one_server_span_per_hop(jaeger, calls, service, "process_context", "process_context")
 
