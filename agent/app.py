@@ -315,7 +315,10 @@ def build_agent(
             kubelet=kubelet,
             node_name=s.node_name,
             inspector=ProcessInspector(
-                metrics, read_environ=s.read_environ, otlp_ports=s.otlp_ports
+                metrics,
+                read_environ=s.read_environ,
+                check_otlp=s.instrumented == "auto",
+                otlp_ports=s.otlp_ports,
             ),
             instrumented=s.instrumented,
             instrumented_services=instrumented_services,

@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
@@ -74,6 +74,7 @@ class ProcessInspector:
         metrics: Metrics,
         *,
         read_environ: bool = False,
+        check_otlp: bool = True,
         otlp_ports: Collection[int] = OTLP_PORTS,
         refresh_s: float = REFRESH_S,
         first_wait_s: float = FIRST_WAIT_S,
@@ -83,7 +84,8 @@ class ProcessInspector:
     ) -> None:
         self.metrics = metrics
         self.read_environ = read_environ
-        self.otlp_ports = frozenset(otlp_ports)
+        # off when --instrumented yes/no makes the answer moot
+        self.otlp_ports = frozenset(otlp_ports) if check_otlp else frozenset()
         self.refresh_s = refresh_s
         self.first_wait_s = first_wait_s
         self._max_entries = max_entries
@@ -94,7 +96,7 @@ class ProcessInspector:
         self._results: OrderedDict[Key, Inspection] = OrderedDict()
         self._pending: dict[Key, threading.Event] = {}
         self._wake = threading.Condition(self._lock)
-        self._queue: list[Key] = []
+        self._queue: deque[Key] = deque()
         self._thread: threading.Thread | None = None
         self._stop = False
         # network namespace -> (inodes of its connections to an OTLP port, when read)
@@ -149,8 +151,12 @@ class ProcessInspector:
         event = self._pending.get(key)
         if event is None:
             event = self._pending[key] = threading.Event()
-            self._queue.append(key)
-            self._wake.notify()
+            if len(self._queue) < self._max_entries:
+                self._queue.append(key)
+                self._wake.notify()
+            else:  # far behind (a fork storm): never inspected, never waited for
+                event.set()
+                del self._pending[key]
         return event
 
     def _run(self) -> None:
@@ -160,7 +166,7 @@ class ProcessInspector:
                     self._wake.wait()
                 if self._stop:
                     return
-                key = self._queue.pop(0)
+                key = self._queue.popleft()
             try:
                 self._inspect(key)
             except Exception:  # a bug here must not stop inspections: count and go on
@@ -174,14 +180,21 @@ class ProcessInspector:
     def _inspect(self, key: Key) -> Inspection:
         pid = key[0]
         now = self._clock()
+        with self._lock:
+            before = self._results.get(key)
+        context = self._context(pid)
+        # The connection check is the costly read (a TCP table walk): not needed where the
+        # process context already says it, nor again once seen (an SDK does not leave).
+        connected = context is None and (
+            (before is not None and before.otlp_connected) or self._otlp_connected(pid, now)
+        )
         got = Inspection(
-            context=self._context(pid),
+            context=context,
             environ=self._environ(pid) if self.read_environ else None,
-            otlp_connected=self._otlp_connected(pid, now),
+            otlp_connected=connected,
             read_at=now,
         )
         with self._lock:
-            before = self._results.get(key)
             if before != got:
                 self.generation += 1
             self._results[key] = got
