@@ -484,3 +484,23 @@ def test_without_ptrace_access_the_environment_is_skipped_and_counted() -> None:
     assert denied.pop("context") in (0, 1)
     assert denied == {"name": comm, "source": "process_name", "environ": 1}
     assert allowed == {"name": "nobodys-app", "source": "environ", "environ": 0, "context": 0}
+
+
+def test_the_otlp_check_is_skipped_with_a_context_and_sticky_once_seen(tmp_path: Path) -> None:
+    ctx = resource_proto(**{"service.name": "api"})
+    both = fake_proc(tmp_path / "both", context=ctx, otlp_port=4317)
+    got = ProcessInspector(Metrics(), proc=both).get((SERVER_PID, START))
+    assert got is not None and got.context is not None and not got.otlp_connected
+    now = [0.0]
+    proc = fake_proc(tmp_path / "otlp", otlp_port=4317)
+    inspector = ProcessInspector(Metrics(), proc=proc, clock=lambda: now[0], refresh_s=10)
+    first = inspector.get((SERVER_PID, START))
+    assert first is not None and first.otlp_connected
+    (tmp_path / "otlp" / str(SERVER_PID) / "fd" / "7").unlink()  # reconnecting, say
+    now[0] = 20.0
+    again = inspector.get((SERVER_PID, START))
+    assert again is not None and again.otlp_connected and again.read_at == 20.0
+    off = ProcessInspector(Metrics(), proc=fake_proc(tmp_path / "off", otlp_port=4317),
+                           check_otlp=False)  # fmt: skip
+    got = off.get((SERVER_PID, START))
+    assert got is not None and not got.otlp_connected
