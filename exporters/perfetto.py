@@ -67,6 +67,12 @@ _STATE_COUNTERS: tuple[tuple[str, str, float, str], ...] = (
 )
 
 
+def _is_request(span: Span) -> bool:
+    """A request's span: SERVER, or beside an instrumented server the INTERNAL "(kernel)" one
+    (it says how the server was found instrumented)."""
+    return span.kind == KIND_SERVER or "tracejoin.instrumented.source" in span.attributes
+
+
 def _us(ns: int) -> float:
     """Nanoseconds -> microseconds, exact to the nanosecond in the JSON text."""
     return round(ns / 1000, 3)
@@ -107,8 +113,9 @@ class TraceEventEncoder:
     def _track(self, span: Span, out: list[dict[str, Any]]) -> tuple[int, int]:
         pid = _int(span.resource.get("process.pid")) or 0
         helper_pid = _int(span.attributes.get("process.pid"))
-        helper = span.kind != KIND_SERVER and bool(helper_pid) and "thread.id" in span.attributes
-        if span.kind != KIND_SERVER and not helper and span.parent_span_id in self._span_tracks:
+        request = _is_request(span)
+        helper = not request and bool(helper_pid) and "thread.id" in span.attributes
+        if not request and not helper and span.parent_span_id in self._span_tracks:
             return self._span_tracks[span.parent_span_id]
         if helper and helper_pid != pid:
             pid = helper_pid or 0
@@ -179,7 +186,7 @@ class TraceEventEncoder:
             args[k] = _arg(v)
         return {
             "name": span.name,
-            "cat": "http" if span.kind == KIND_SERVER else "kernel",
+            "cat": "http" if _is_request(span) else "kernel",
             "ph": "X",
             "ts": _us(span.start_ns - self.origin_ns),
             "dur": _us(max(0, span.end_ns - span.start_ns)),

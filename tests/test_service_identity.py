@@ -504,3 +504,16 @@ def test_the_otlp_check_is_skipped_with_a_context_and_sticky_once_seen(tmp_path:
                            check_otlp=False)  # fmt: skip
     got = off.get((SERVER_PID, START))
     assert got is not None and not got.otlp_connected
+
+
+def test_perfetto_draws_the_kernel_span_as_the_request() -> None:
+    from tracejoin.core.model import Resource
+    from tracejoin.exporters.perfetto import TraceEventEncoder
+
+    res = Resource((("service.name", "app-server"), ("process.pid", 77)))
+    spans = _spans(ServedProcess(res, "environ", "otlp_connection"))
+    events = TraceEventEncoder(spans[0].start_ns).span_events(spans)
+    slices = {e["name"]: e for e in events if e["ph"] == "X"}
+    request, child = slices["GET /x (kernel)"], slices["tcp.receive_queue_wait"]
+    assert (request["cat"], child["cat"]) == ("http", "kernel")
+    assert (request["pid"], request["tid"]) == (child["pid"], child["tid"])  # nested under it
