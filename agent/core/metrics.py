@@ -201,7 +201,7 @@ METRICS: tuple[Metric, ...] = (
         "what",
         "reason",
         values={
-            "what": ("fd", "netns", "exe", "process_context", "environ"),
+            "what": ("fd", "netns", "exe", "process_context", "environ", "otlp_connection"),
             "reason": ("denied", "gone"),
         },
     ),

@@ -32,6 +32,8 @@ _NEEDS = {
     "publishes (OTEP 4719) is not read; the next source names it",
     "environ": "CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH: OTEL_SERVICE_NAME of a process is not "
     "read (--read-environ); the next source names it",
+    "otlp_connection": "CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH: an instrumented service is not "
+    "found by its connection to an OTLP port (--instrumented-services can say it)",
 }
 
 

@@ -227,7 +227,7 @@ class ProcessInspector:
         try:
             netns = os.readlink(f"{self._proc}/{pid}/ns/net")
         except OSError as exc:
-            self._reads.failed("netns", f"{self._proc}/{pid}/ns/net", exc)
+            self._reads.failed("otlp_connection", f"{self._proc}/{pid}/ns/net", exc)
             return False
         cached = self._netns.get(netns)
         if cached is None or now - cached[1] >= self.refresh_s:
@@ -266,14 +266,14 @@ class ProcessInspector:
         try:
             names = os.listdir(fd_dir)
         except OSError as exc:
-            self._reads.failed("fd", fd_dir, exc)
+            self._reads.failed("otlp_connection", fd_dir, exc)
             return False
         for name in names:
             try:
                 link = os.readlink(f"{fd_dir}/{name}")
             except OSError as exc:
                 if exc.errno in (errno.EACCES, errno.EPERM):
-                    self._reads.failed("fd", fd_dir, exc)
+                    self._reads.failed("otlp_connection", fd_dir, exc)
                     return False
                 continue  # closed meanwhile
             if link.startswith("socket:[") and int(link[8:-1]) in inodes:
