@@ -90,12 +90,13 @@ class CudaFile:
     symbols: tuple[str, ...] = ()  # probed calls it defines
     probes: int = 0  # uprobes attached (entry + return)
     error: str | None = None  # why it is not probed
+    attached: bool = False  # attach() has run on it
 
     @property
     def state(self) -> str:
         if self.error:
             return f"not probeable: {self.error}"
-        return f"probed ({self.probes} uprobes)" if self.probes else "found"
+        return f"probed ({self.probes} uprobes)" if self.attached else "found"
 
 
 def _maps_paths(pid: int, proc: Path) -> list[str]:
@@ -276,6 +277,7 @@ class CudaProbes:
 
     def attach(self, f: CudaFile) -> None:
         if f.error:
+            f.attached = True
             log.warning("CUDA: %s %s", f.path, f.state)
             return
         path = f.open_path.encode()
@@ -290,13 +292,14 @@ class CudaProbes:
             except Exception as exc:  # reported per file; the other files still attach
                 f.error = f"attaching {sym} failed ({exc})"
                 break
+        f.attached = True
         log.info("CUDA: %s (%s) %s", f.path, f.kind, f.state)
 
     def files(self) -> list[CudaFile]:
         return list(self.discovery.files.values())
 
     def _metrics(self) -> None:
-        probed = sum(1 for f in self.files() if f.probes and not f.error)
+        probed = sum(1 for f in self.files() if f.attached and not f.error)
         failed = sum(1 for f in self.files() if f.error)
         self.metrics.set("cuda_files", probed, state="probed")
         self.metrics.set("cuda_files", failed, state="not_probeable")

@@ -108,6 +108,8 @@ OPTIONAL_SIGNALS: tuple[OptionalSignal, ...] = (
         "the request's work set: threads and processes it woke (thread pools, worker processes)",
     ),
 )
+# Opt-in uprobe signals (--cuda, --cuda-launches): in ProbeStatus.signals only when asked for.
+CUDA_SIGNALS = ("cuda", "cuda_launches")
 OPTIONAL_TRACEPOINTS: tuple[str, ...] = tuple(
     tp for sig in OPTIONAL_SIGNALS for tp in sig.tracepoints
 )
