@@ -264,6 +264,8 @@ class CudaProbes:
         pids = self.discovery.all_pids() if full else list(self._tracked)
         if full:
             self._next_full = now + FULL_RESCAN_S
+            for f in self.files():  # rebuilt from the live processes below: bounded
+                f.pids.clear()
             alive = set(pids)
             for pid in [p for p in self._tracked if p not in alive]:
                 del self._tracked[pid]
