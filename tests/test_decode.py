@@ -50,9 +50,7 @@ def c_contract(tmp_path_factory) -> dict[str, int]:
     ]
     for struct, fields in (("cuda_block", CUDA_FIELDS), ("cuda_wait", WAIT_FIELDS)):
         lines += [f'printf("{struct}.sizeof %zu\\n", sizeof(struct {struct}));']
-        lines += [
-            f'printf("{struct}.{f} %zu\\n", offsetof(struct {struct}, {f}));' for f in fields
-        ]
+        lines += [f'printf("{struct}.{f} %zu\\n", offsetof(struct {struct}, {f}));' for f in fields]
     lines += [f'printf("{c} %lld\\n", (long long)({c}));' for c in CONSTANTS]
     lines += ["return 0; }"]
     src.write_text("\n".join(lines))

@@ -69,7 +69,7 @@ def load_apis(header: Path) -> tuple[CudaApi, ...]:
 
 
 def library_kind(path: str) -> str | None:
-    """"runtime", "driver", or None, from a mapped file's name."""
+    """ "runtime", "driver", or None, from a mapped file's name."""
     name = path.rsplit("/", 1)[-1]
     if _RUNTIME.match(name):
         return "runtime"
@@ -205,7 +205,7 @@ class Discovery:
         key = (st.st_dev, st.st_ino)
         if key not in self._exes:
             try:
-                have = self._symbols(str(exe))
+                have = self._symbols(str(root) + target)
             except Exception:
                 have = set()
             runtime = {a.symbol for a in self.apis if a.layer == "runtime"}
