@@ -107,6 +107,7 @@ def test_static_runtime_found_through_the_executable_symbol_table(tmp_path):
     proc = fake_proc(tmp_path, 7, [str(exe), str(drv)], exe=exe)
     syms = {drv.name: {"cuMemcpyHtoD_v2"}, exe.name: {"cudaMemcpy", "main"}}
     (drv_f, exe_f) = Discovery(APIS, proc, symbols_by_name(syms)).scan([7])
+    assert drv_f.kind == "driver"
     assert (exe_f.kind, exe_f.path, exe_f.symbols) == ("static", str(exe), ("cudaMemcpy",))
 
 
