@@ -10,7 +10,9 @@ What goes where (docs/capture.md shows it in the UI):
   span attribute, so clicking a slice shows what the span in Jaeger shows.
 - Tracks: pid = the process that served the request (resource `process.pid`), tid = the thread
   that read it (`thread.id`). Child spans (`tcp.receive_queue_wait`, `sched.runq_wait`) go on
-  their server span's track, nested under it. A work-set helper's span (a child carrying its own
+  their server span's track, nested under it; so do a CUDA synchronisation's (category
+  "cuda", bpf/cuda.h) when the reader waited, else it goes on the helper's track. A work-set
+  helper's span (a child carrying its own
   `process.pid` and `thread.id`: a pool thread, a worker process) goes on that thread's track, so
   each helper thread shows the slices of the requests it worked for.
 - Slices on one track must nest. Requests that overlap on one thread without nesting (an event
@@ -65,6 +67,13 @@ _STATE_COUNTERS: tuple[tuple[str, str, float, str], ...] = (
     ("GPM SM util", "gpm_sm_util", 100.0, "%"),
     ("GPM DRAM bandwidth", "gpm_dram_bw_util", 100.0, "%"),
 )
+
+
+def _category(span: Span) -> str:
+    """http: a request; cuda: a CUDA synchronisation it waited in; kernel: other intervals."""
+    if span.kind == KIND_SERVER:
+        return "http"
+    return "cuda" if "tracejoin.cuda.sync.wait_ns" in span.attributes else "kernel"
 
 
 def _us(ns: int) -> float:
@@ -179,7 +188,7 @@ class TraceEventEncoder:
             args[k] = _arg(v)
         return {
             "name": span.name,
-            "cat": "http" if span.kind == KIND_SERVER else "kernel",
+            "cat": _category(span),
             "ph": "X",
             "ts": _us(span.start_ns - self.origin_ns),
             "dur": _us(max(0, span.end_ns - span.start_ns)),

@@ -69,13 +69,13 @@ def py_server(mode: str, lib: Path, port: int):
 
 
 def work(agent: Agent, port: int, n: int) -> tuple[bytes, Span, list[Span]]:
-    """GET /work?n=N with a fresh traceparent: the body, the server span and its children."""
+    """GET /work?n=N with a fresh traceparent: the body, the server span and the spans under it."""
     tp, trace_id, _ = new_traceparent()
     head = f"GET /work?n={n} HTTP/1.1\r\nHost: t\r\ntraceparent: {tp}\r\nConnection: close\r\n\r\n"
     body = raw_request(port, head.encode()).split(b"\r\n\r\n", 1)[1]
     (span,) = agent.server_spans(trace_id)
     time.sleep(0.2)  # children are built with the server span
-    kids = [s for s in agent.spans() if s.parent_span_id == span.span_id]
+    kids = [s for s in agent.spans() if s.trace_id == trace_id and s is not span]
     return body, span, kids
 
 
@@ -113,6 +113,7 @@ def assert_exact(span: Span, kids: list[Span], n: int, sync_api: str) -> Span:
     assert "tracejoin.cuda.launches" not in a  # opt-in, not asked for
     assert not [k for k in a if k.startswith("tracejoin.work.shared.cuda")]
     (sync,) = [k for k in kids if "tracejoin.cuda.sync.wait_ns" in k.attributes]
+    assert span.trace_id == sync.trace_id
     assert sync.name == sync_api
     assert sync.attributes["tracejoin.cuda.sync.wait_ns"] == a["tracejoin.cuda.sync.wait_ns"]
     assert sync.end_ns - sync.start_ns >= SYNC_NS
@@ -182,3 +183,6 @@ def test_calls_of_a_worker_process_land_on_the_request_through_the_work_set(cuda
         sync = assert_exact(span, kids, n, "cudaStreamSynchronize")
         assert sync.attributes["thread.id"] == worker  # the worker waited, not the front
         assert span.attributes["thread.id"] != worker
+        # under the worker's own span: where the request's work waited on the GPU
+        (helper,) = [k for k in kids if k.attributes.get("process.pid") == worker]
+        assert sync.parent_span_id == helper.span_id

@@ -215,10 +215,10 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
             if w.dur_ns >= opts.runq_child_threshold_ns and w.start_ns:
                 s0 = e.epoch_ns(w.start_ns)
                 spans.append(_child(server, new_id(64), "sched.runq_wait", s0, s0 + w.dur_ns))
-    if tracked:
-        spans.extend(_helper_spans(e, server, on, tlb, new_id))
+    helpers = _helper_spans(e, server, on, tlb, new_id) if tracked else []
+    spans.extend(helpers)
     if cuda:
-        spans.extend(_cuda_wait_spans(e, server, new_id))
+        spans.extend(_cuda_wait_spans(e, server, helpers, new_id))
     return spans
 
 
@@ -307,16 +307,22 @@ def cuda_api_names() -> dict[int, str]:
     return {a.api: a.symbol for a in load_apis(bpf_source_dir() / "cuda.h")}
 
 
-def _cuda_wait_spans(e: EnrichedRecord, server: Span, new_id: Callable[[int], int]) -> list[Span]:
+def _cuda_wait_spans(
+    e: EnrichedRecord, server: Span, helpers: list[Span], new_id: Callable[[int], int]
+) -> list[Span]:
     """One INTERNAL span per long synchronisation (the kernel keeps the longest, above
-    --cuda-sync-threshold-ms): where the request's work waited on the GPU."""
+    --cuda-sync-threshold-ms): where the request's work waited on the GPU. Under the helper
+    thread's span when a helper waited, else under the server span."""
     out = []
     names = cuda_api_names()
+    # a helper's wait goes under that helper's span (in Jaeger and on its timeline track)
+    by_tid = {h.attributes["thread.id"]: h for h in helpers}
     for w in e.rec.cuda.waits:
         if not (w.dur_ns and w.start_ns):
             continue
         s0 = e.epoch_ns(w.start_ns)
-        child = _child(server, new_id(64), names.get(w.api, "cuda.sync"), s0, s0 + w.dur_ns)
+        parent = by_tid.get(w.tid, server)
+        child = _child(parent, new_id(64), names.get(w.api, "cuda.sync"), s0, s0 + w.dur_ns)
         child.attributes["thread.id"] = w.tid
         child.attributes["tracejoin.cuda.sync.wait_ns"] = w.dur_ns
         if w.shared:  # the thread also worked for other open requests while it waited
