@@ -211,3 +211,35 @@ def test_launches_only_when_asked_for():
 def test_api_row_type():
     assert CudaApi(0, "cudaMemcpy", "CC_COPY_KIND").layer == "runtime"
     assert CudaApi(8, "cuMemcpyHtoD_v2", "CC_COPY").entry_fn == "cuda_e_8"
+
+
+# ------------------------------------------------------------------------------ capture summary
+
+
+def test_summary_cuda_table_only_when_a_request_made_calls():
+    from tracejoin.commands.summary import Summary
+
+    cuda = {
+        "tracejoin.work.shared_with_max": 0,
+        "tracejoin.cuda.memcpy.bytes.host_to_device": 4 << 20,
+        "tracejoin.cuda.memcpy.bytes.device_to_host": 4096,
+        "tracejoin.cuda.memcpy.count": 2,
+        "tracejoin.cuda.sync.wait_ns": 31_500_000,
+        "tracejoin.cuda.alloc.bytes": 0,
+    }
+    batched = {"tracejoin.work.shared_with_max": 3, "tracejoin.work.shared.cuda.sync.wait_ns": 8e6}
+    s = Summary()
+    s.add("GET /plain", "a" * 32, 1_000_000, False, 200, {"tracejoin.work.shared_with_max": 0})
+    assert "\ncuda " not in s.format()
+    s.add("POST /infer", "b" * 32, 40_000_000, False, 200, cuda)
+    s.add("POST /batch", "c" * 32, 40_000_000, False, 200, batched)
+    text = s.format()
+    table = text[text.index("\ncuda ") + 1 :].splitlines()
+    assert table[0].split() == [
+        *("cuda", "h2d", "B", "d2h", "B", "copies", "sync", "ms", "~sync", "ms"),
+        *("graphs", "alloc", "B"),
+    ]
+    rows = {line.split()[1]: line.split()[2:] for line in table[3:6] if line.startswith("POST")}
+    assert rows["/infer"][:4] == ["4.2M/4.2M", "4.1k/4.1k", "2/2", "31.5/31.5"]
+    assert rows["/batch"][3:5] == ["0/0", "~8/~8"]  # shared: marked, not the request's own
+    assert all(len(line) <= 100 for line in text.splitlines())
