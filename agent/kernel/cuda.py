@@ -174,6 +174,12 @@ class Discovery:
     ) -> CudaFile | None:
         try:
             st = os.stat(open_path)
+        except PermissionError:  # another pod's files: the ptrace access check on /proc/<pid>/root
+            self.notes[pid] = (
+                f"{path}: cannot be opened through /proc/{pid}/root (the agent lacks "
+                "CAP_SYS_PTRACE for this process): not probed"
+            )
+            return None
         except OSError:
             return None  # gone, or the process exited
         key = (st.st_dev, st.st_ino)
