@@ -1,4 +1,4 @@
-"""Build the CUDA test doubles (tests/cuda_stubs/*.c) with the C compiler, at test time.
+"""Build the CUDA test doubles (tests/cuda_src/*.c) with the C compiler, at test time.
 
 `build(dir)` gives a driver `libcuda.so.1`, a runtime `libcudart.so.12` linked against it, the
 same runtime under an auditwheel-style hashed name (`libcudart-<hash>.so.12`), and an HTTP
@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-SRC = Path(__file__).parent / "cuda_stubs"
+SRC = Path(__file__).parent / "cuda_src"
 SYNC_US = 30_000  # what the driver's cuStreamSynchronize sleeps
 HASHED = "libcudart-4f2a9c1b.so.12"
 
@@ -25,6 +25,7 @@ class Stubs:
     runtime: Path  # libcudart.so.12
     hashed: Path  # libcudart-<hash>.so.12
     static_server: Path  # executable: runtime linked in, driver shared
+    shared_server: Path  # the same server, runtime and driver shared (bench/cuda_cost.py)
 
 
 def compiler() -> str | None:
@@ -48,4 +49,6 @@ def build(out: Path) -> Stubs:
         run("-shared", "-fPIC", soname, "-o", str(lib), str(SRC / "cudart.c"), *link)
     server = out / "cuda-static-server"
     run("-o", str(server), str(SRC / "server.c"), str(SRC / "cudart.c"), *link)
-    return Stubs(out, drv, rt, hashed, server)
+    shared = out / "cuda-shared-server"
+    run("-o", str(shared), str(SRC / "server.c"), "-l:libcudart.so.12", *link)
+    return Stubs(out, drv, rt, hashed, server, shared)
