@@ -5,10 +5,13 @@
 No GPU is needed: the CUDA runtime and driver are the test doubles (tests/cuda_stubs, built with
 gcc here), whose calls do almost nothing, so what the loop measures is the probes' cost. Each
 call is a 64-byte `cudaMemcpy` host to device, which calls `cuMemcpyHtoD_v2` beneath it, as the
-real runtime does: two probed functions, so four uprobes (entry and return of each) per call.
+real runtime does: three uprobe hits per call (the runtime call's entry and return, the driver
+call's entry; bpf/cuda.h says why a driver copy has no return probe).
 
 Phases, each `rounds` times, in this order:
   off        no agent loaded (the baseline)
+  empty      an empty BPF program on the same three probe points: what the uprobe mechanism
+             itself costs here (a trap per hit), before tracejoin does anything
   in set     tracejoin loaded with --cuda; the loop runs inside an HTTP request (GET /loop), so
              its thread is in the request's work set and every call is summed onto the span
   outside    the same agent; the loop runs in a process serving no request (the early exit:
@@ -52,6 +55,20 @@ def outside(server: Path, calls: int) -> float:
     return float(out.stdout)
 
 
+def empty_probes(stubs: cuda_stubs.Stubs, port: int, calls: int, rounds: int) -> list[float]:
+    from bcc import BPF
+
+    b = BPF(text=b"int empty(struct pt_regs *ctx) { return 0; }")
+    try:
+        rt, drv = str(stubs.runtime).encode(), str(stubs.driver).encode()
+        b.attach_uprobe(name=rt, sym=b"cudaMemcpy", fn_name=b"empty")
+        b.attach_uretprobe(name=rt, sym=b"cudaMemcpy", fn_name=b"empty")
+        b.attach_uprobe(name=drv, sym=b"cuMemcpyHtoD_v2", fn_name=b"empty")
+        return [in_request(port, calls) for _ in range(rounds)]
+    finally:
+        b.cleanup()
+
+
 def phase(name: str, samples: list[float]) -> float:
     med = statistics.median(samples)
     print(f"  {name:<26} {med:8.1f} ns/call  [{min(samples):.1f}..{max(samples):.1f}]")
@@ -79,6 +96,9 @@ def main() -> None:
         res["off_out"] = phase(
             "off: no request",
             [outside(stubs.shared_server, args.calls) for _ in range(args.rounds)],
+        )
+        res["empty"] = phase(
+            "empty uprobes: in a request", empty_probes(stubs, port, args.calls, args.rounds)
         )
         t0 = time.monotonic()
         agent = Agent([port], None, ProbeConfig(ports=(port,), cuda=True))
@@ -129,6 +149,7 @@ def main() -> None:
     base = (res["off"] + res["off2"]) / 2
     d_in, d_out = res["on"] - base, res["on_out"] - res["off_out"]
     print()
+    print(f"the uprobe mechanism alone (3 empty hits): +{res['empty'] - base:.0f} ns per call")
     print(f"per probed runtime call (with its driver call beneath): +{d_in:.0f} ns in a request's")
     print(f"work set, +{d_out:.0f} ns in a thread in no work set")
     print("BPF run time in the request loop (kernel.bpf_stats_enabled):")

@@ -19,81 +19,85 @@
  */
 
 /* The probed calls, one row each: X(api, symbol, class, bytes argument, direction or kind
- * argument). agent/kernel/cuda.py reads this table to attach (row `api` -> program cuda_e_<api>
- * at the entry, cuda_ret at the return), so it is the one list. Argument numbers are 1-based
- * (0: none). CC_COPY_KIND: the direction comes from a cudaMemcpyKind argument; CC_COPY: it is
- * fixed by the call (a CSIG_MEMCPY_* index). Kernel launches (CC_LAUNCH) are attached only with
- * --cuda-launches: they sit on the critical path.
+ * argument, return probe). agent/kernel/cuda.py reads this table to attach (row `api` ->
+ * program cuda_e_<api> at the entry, and cuda_ret at the return where the last column is 1), so
+ * it is the one list. Argument numbers are 1-based (0: none). CC_COPY_KIND: the direction comes
+ * from a cudaMemcpyKind argument; CC_COPY: it is fixed by the call (a CSIG_MEMCPY_* index).
+ * Kernel launches (CC_LAUNCH) are attached only with --cuda-launches: they sit on the critical
+ * path. Return probes: every runtime call (its return ends the window in which the driver calls
+ * beneath it are nested) and every synchronisation (its wait is entry -> return). A driver copy,
+ * allocation, free or launch has none: a uprobe hit costs microseconds, and nothing needs its
+ * return, so it is counted at its entry (its result unknown: a failed one counts too).
  * Not probed: cudaMemcpy2D/3D and their driver twins (the kind is a 7th argument, on the stack). */
 #define CUDA_APIS(X) \
-    X(0, cudaMemcpy, CC_COPY_KIND, 3, 4) \
-    X(1, cudaMemcpy_ptds, CC_COPY_KIND, 3, 4) \
-    X(2, cudaMemcpyAsync, CC_COPY_KIND, 3, 4) \
-    X(3, cudaMemcpyAsync_ptsz, CC_COPY_KIND, 3, 4) \
-    X(4, cudaMemcpyToSymbol, CC_COPY_KIND, 3, 5) \
-    X(5, cudaMemcpyFromSymbol, CC_COPY_KIND, 3, 5) \
-    X(6, cudaMemcpyPeer, CC_COPY, 5, CSIG_MEMCPY_OTHER) \
-    X(7, cudaMemcpyPeerAsync, CC_COPY, 5, CSIG_MEMCPY_OTHER) \
-    X(8, cuMemcpyHtoD_v2, CC_COPY, 3, CSIG_MEMCPY_H2D) \
-    X(9, cuMemcpyHtoD_v2_ptds, CC_COPY, 3, CSIG_MEMCPY_H2D) \
-    X(10, cuMemcpyDtoH_v2, CC_COPY, 3, CSIG_MEMCPY_D2H) \
-    X(11, cuMemcpyDtoH_v2_ptds, CC_COPY, 3, CSIG_MEMCPY_D2H) \
-    X(12, cuMemcpyDtoD_v2, CC_COPY, 3, CSIG_MEMCPY_D2D) \
-    X(13, cuMemcpyDtoD_v2_ptds, CC_COPY, 3, CSIG_MEMCPY_D2D) \
-    X(14, cuMemcpyHtoDAsync_v2, CC_COPY, 3, CSIG_MEMCPY_H2D) \
-    X(15, cuMemcpyHtoDAsync_v2_ptsz, CC_COPY, 3, CSIG_MEMCPY_H2D) \
-    X(16, cuMemcpyDtoHAsync_v2, CC_COPY, 3, CSIG_MEMCPY_D2H) \
-    X(17, cuMemcpyDtoHAsync_v2_ptsz, CC_COPY, 3, CSIG_MEMCPY_D2H) \
-    X(18, cuMemcpyDtoDAsync_v2, CC_COPY, 3, CSIG_MEMCPY_D2D) \
-    X(19, cuMemcpyDtoDAsync_v2_ptsz, CC_COPY, 3, CSIG_MEMCPY_D2D) \
-    X(20, cuMemcpy, CC_COPY, 3, CSIG_MEMCPY_OTHER) \
-    X(21, cuMemcpy_ptds, CC_COPY, 3, CSIG_MEMCPY_OTHER) \
-    X(22, cuMemcpyAsync, CC_COPY, 3, CSIG_MEMCPY_OTHER) \
-    X(23, cuMemcpyAsync_ptsz, CC_COPY, 3, CSIG_MEMCPY_OTHER) \
-    X(24, cuMemcpyPeer, CC_COPY, 5, CSIG_MEMCPY_OTHER) \
-    X(25, cuMemcpyPeerAsync, CC_COPY, 5, CSIG_MEMCPY_OTHER) \
-    X(26, cudaStreamSynchronize, CC_SYNC, 0, 0) \
-    X(27, cudaStreamSynchronize_ptsz, CC_SYNC, 0, 0) \
-    X(28, cudaDeviceSynchronize, CC_SYNC, 0, 0) \
-    X(29, cudaEventSynchronize, CC_SYNC, 0, 0) \
-    X(30, cuStreamSynchronize, CC_SYNC, 0, 0) \
-    X(31, cuStreamSynchronize_ptsz, CC_SYNC, 0, 0) \
-    X(32, cuCtxSynchronize, CC_SYNC, 0, 0) \
-    X(33, cuEventSynchronize, CC_SYNC, 0, 0) \
-    X(34, cudaGraphLaunch, CC_GRAPH, 0, 0) \
-    X(35, cudaGraphLaunch_ptsz, CC_GRAPH, 0, 0) \
-    X(36, cuGraphLaunch, CC_GRAPH, 0, 0) \
-    X(37, cuGraphLaunch_ptsz, CC_GRAPH, 0, 0) \
-    X(38, cudaMalloc, CC_ALLOC, 2, 0) \
-    X(39, cudaMallocManaged, CC_ALLOC, 2, 0) \
-    X(40, cudaMallocHost, CC_ALLOC, 2, 0) \
-    X(41, cudaHostAlloc, CC_ALLOC, 2, 0) \
-    X(42, cudaMallocAsync, CC_ALLOC, 2, 0) \
-    X(43, cudaMallocAsync_ptsz, CC_ALLOC, 2, 0) \
-    X(44, cudaMallocFromPoolAsync, CC_ALLOC, 2, 0) \
-    X(45, cuMemAlloc_v2, CC_ALLOC, 2, 0) \
-    X(46, cuMemAllocManaged, CC_ALLOC, 2, 0) \
-    X(47, cuMemAllocHost_v2, CC_ALLOC, 2, 0) \
-    X(48, cuMemHostAlloc, CC_ALLOC, 2, 0) \
-    X(49, cuMemAllocAsync, CC_ALLOC, 2, 0) \
-    X(50, cuMemAllocAsync_ptsz, CC_ALLOC, 2, 0) \
-    X(51, cuMemAllocFromPoolAsync, CC_ALLOC, 2, 0) \
-    X(52, cudaFree, CC_FREE, 0, 0) \
-    X(53, cudaFreeHost, CC_FREE, 0, 0) \
-    X(54, cudaFreeAsync, CC_FREE, 0, 0) \
-    X(55, cudaFreeAsync_ptsz, CC_FREE, 0, 0) \
-    X(56, cuMemFree_v2, CC_FREE, 0, 0) \
-    X(57, cuMemFreeHost, CC_FREE, 0, 0) \
-    X(58, cuMemFreeAsync, CC_FREE, 0, 0) \
-    X(59, cuMemFreeAsync_ptsz, CC_FREE, 0, 0) \
-    X(60, cudaLaunchKernel, CC_LAUNCH, 0, 0) \
-    X(61, cudaLaunchKernel_ptsz, CC_LAUNCH, 0, 0) \
-    X(62, cudaLaunchKernelExC, CC_LAUNCH, 0, 0) \
-    X(63, cudaLaunchKernelExC_ptsz, CC_LAUNCH, 0, 0) \
-    X(64, cuLaunchKernel, CC_LAUNCH, 0, 0) \
-    X(65, cuLaunchKernel_ptsz, CC_LAUNCH, 0, 0) \
-    X(66, cuLaunchKernelEx, CC_LAUNCH, 0, 0) \
-    X(67, cuLaunchKernelEx_ptsz, CC_LAUNCH, 0, 0)
+    X(0, cudaMemcpy, CC_COPY_KIND, 3, 4, 1) \
+    X(1, cudaMemcpy_ptds, CC_COPY_KIND, 3, 4, 1) \
+    X(2, cudaMemcpyAsync, CC_COPY_KIND, 3, 4, 1) \
+    X(3, cudaMemcpyAsync_ptsz, CC_COPY_KIND, 3, 4, 1) \
+    X(4, cudaMemcpyToSymbol, CC_COPY_KIND, 3, 5, 1) \
+    X(5, cudaMemcpyFromSymbol, CC_COPY_KIND, 3, 5, 1) \
+    X(6, cudaMemcpyPeer, CC_COPY, 5, CSIG_MEMCPY_OTHER, 1) \
+    X(7, cudaMemcpyPeerAsync, CC_COPY, 5, CSIG_MEMCPY_OTHER, 1) \
+    X(8, cuMemcpyHtoD_v2, CC_COPY, 3, CSIG_MEMCPY_H2D, 0) \
+    X(9, cuMemcpyHtoD_v2_ptds, CC_COPY, 3, CSIG_MEMCPY_H2D, 0) \
+    X(10, cuMemcpyDtoH_v2, CC_COPY, 3, CSIG_MEMCPY_D2H, 0) \
+    X(11, cuMemcpyDtoH_v2_ptds, CC_COPY, 3, CSIG_MEMCPY_D2H, 0) \
+    X(12, cuMemcpyDtoD_v2, CC_COPY, 3, CSIG_MEMCPY_D2D, 0) \
+    X(13, cuMemcpyDtoD_v2_ptds, CC_COPY, 3, CSIG_MEMCPY_D2D, 0) \
+    X(14, cuMemcpyHtoDAsync_v2, CC_COPY, 3, CSIG_MEMCPY_H2D, 0) \
+    X(15, cuMemcpyHtoDAsync_v2_ptsz, CC_COPY, 3, CSIG_MEMCPY_H2D, 0) \
+    X(16, cuMemcpyDtoHAsync_v2, CC_COPY, 3, CSIG_MEMCPY_D2H, 0) \
+    X(17, cuMemcpyDtoHAsync_v2_ptsz, CC_COPY, 3, CSIG_MEMCPY_D2H, 0) \
+    X(18, cuMemcpyDtoDAsync_v2, CC_COPY, 3, CSIG_MEMCPY_D2D, 0) \
+    X(19, cuMemcpyDtoDAsync_v2_ptsz, CC_COPY, 3, CSIG_MEMCPY_D2D, 0) \
+    X(20, cuMemcpy, CC_COPY, 3, CSIG_MEMCPY_OTHER, 0) \
+    X(21, cuMemcpy_ptds, CC_COPY, 3, CSIG_MEMCPY_OTHER, 0) \
+    X(22, cuMemcpyAsync, CC_COPY, 3, CSIG_MEMCPY_OTHER, 0) \
+    X(23, cuMemcpyAsync_ptsz, CC_COPY, 3, CSIG_MEMCPY_OTHER, 0) \
+    X(24, cuMemcpyPeer, CC_COPY, 5, CSIG_MEMCPY_OTHER, 0) \
+    X(25, cuMemcpyPeerAsync, CC_COPY, 5, CSIG_MEMCPY_OTHER, 0) \
+    X(26, cudaStreamSynchronize, CC_SYNC, 0, 0, 1) \
+    X(27, cudaStreamSynchronize_ptsz, CC_SYNC, 0, 0, 1) \
+    X(28, cudaDeviceSynchronize, CC_SYNC, 0, 0, 1) \
+    X(29, cudaEventSynchronize, CC_SYNC, 0, 0, 1) \
+    X(30, cuStreamSynchronize, CC_SYNC, 0, 0, 1) \
+    X(31, cuStreamSynchronize_ptsz, CC_SYNC, 0, 0, 1) \
+    X(32, cuCtxSynchronize, CC_SYNC, 0, 0, 1) \
+    X(33, cuEventSynchronize, CC_SYNC, 0, 0, 1) \
+    X(34, cudaGraphLaunch, CC_GRAPH, 0, 0, 1) \
+    X(35, cudaGraphLaunch_ptsz, CC_GRAPH, 0, 0, 1) \
+    X(36, cuGraphLaunch, CC_GRAPH, 0, 0, 0) \
+    X(37, cuGraphLaunch_ptsz, CC_GRAPH, 0, 0, 0) \
+    X(38, cudaMalloc, CC_ALLOC, 2, 0, 1) \
+    X(39, cudaMallocManaged, CC_ALLOC, 2, 0, 1) \
+    X(40, cudaMallocHost, CC_ALLOC, 2, 0, 1) \
+    X(41, cudaHostAlloc, CC_ALLOC, 2, 0, 1) \
+    X(42, cudaMallocAsync, CC_ALLOC, 2, 0, 1) \
+    X(43, cudaMallocAsync_ptsz, CC_ALLOC, 2, 0, 1) \
+    X(44, cudaMallocFromPoolAsync, CC_ALLOC, 2, 0, 1) \
+    X(45, cuMemAlloc_v2, CC_ALLOC, 2, 0, 0) \
+    X(46, cuMemAllocManaged, CC_ALLOC, 2, 0, 0) \
+    X(47, cuMemAllocHost_v2, CC_ALLOC, 2, 0, 0) \
+    X(48, cuMemHostAlloc, CC_ALLOC, 2, 0, 0) \
+    X(49, cuMemAllocAsync, CC_ALLOC, 2, 0, 0) \
+    X(50, cuMemAllocAsync_ptsz, CC_ALLOC, 2, 0, 0) \
+    X(51, cuMemAllocFromPoolAsync, CC_ALLOC, 2, 0, 0) \
+    X(52, cudaFree, CC_FREE, 0, 0, 1) \
+    X(53, cudaFreeHost, CC_FREE, 0, 0, 1) \
+    X(54, cudaFreeAsync, CC_FREE, 0, 0, 1) \
+    X(55, cudaFreeAsync_ptsz, CC_FREE, 0, 0, 1) \
+    X(56, cuMemFree_v2, CC_FREE, 0, 0, 0) \
+    X(57, cuMemFreeHost, CC_FREE, 0, 0, 0) \
+    X(58, cuMemFreeAsync, CC_FREE, 0, 0, 0) \
+    X(59, cuMemFreeAsync_ptsz, CC_FREE, 0, 0, 0) \
+    X(60, cudaLaunchKernel, CC_LAUNCH, 0, 0, 1) \
+    X(61, cudaLaunchKernel_ptsz, CC_LAUNCH, 0, 0, 1) \
+    X(62, cudaLaunchKernelExC, CC_LAUNCH, 0, 0, 1) \
+    X(63, cudaLaunchKernelExC_ptsz, CC_LAUNCH, 0, 0, 1) \
+    X(64, cuLaunchKernel, CC_LAUNCH, 0, 0, 0) \
+    X(65, cuLaunchKernel_ptsz, CC_LAUNCH, 0, 0, 0) \
+    X(66, cuLaunchKernelEx, CC_LAUNCH, 0, 0, 0) \
+    X(67, cuLaunchKernelEx_ptsz, CC_LAUNCH, 0, 0, 0)
 
 enum { CC_COPY_KIND, CC_COPY, CC_SYNC, CC_GRAPH, CC_LAUNCH, CC_ALLOC, CC_FREE };
 
@@ -119,6 +123,8 @@ struct cuda_call {
 BPF_TABLE("lru_hash", u32, struct cuda_call, cuda_calls, LRU_ENTRIES);
 BPF_TABLE("lru_hash", struct ws_key, struct cuda_block, cuda_ws, WS_ENTRIES);
 BPF_PERCPU_ARRAY(zero_cuda, struct cuda_block, 1);      /* never written: a zeroed template */
+
+static __always_inline void cuda_account(struct cuda_call *c, u32 tid, int rc, u64 now);
 
 static __always_inline u64 cuda_arg(struct pt_regs *ctx, u32 n)
 {
@@ -146,7 +152,8 @@ static __always_inline u8 copy_dir(u64 kind)
     return CSIG_MEMCPY_OTHER;
 }
 
-static __always_inline int cuda_enter(struct pt_regs *ctx, u16 api, u8 cls, u32 barg, u32 darg)
+static __always_inline int cuda_enter(struct pt_regs *ctx, u16 api, u8 cls, u32 barg, u32 darg,
+                                      int ret)
 {
     u32 tid = (u32)bpf_get_current_pid_tgid();
     struct tstat *t = threads.lookup(&tid);
@@ -158,7 +165,8 @@ static __always_inline int cuda_enter(struct pt_regs *ctx, u16 api, u8 cls, u32 
     struct cuda_call *c = cuda_calls.lookup(&tid);
     /* At or below the outer call's stack pointer (at: the runtime tail-called the driver) */
     if (c && c->depth && sp <= c->sp && now - c->ts < CUDA_NEST_WINDOW_NS) {
-        c->depth++;             /* beneath a probed call still running: it counts this one */
+        if (ret)
+            c->depth++;         /* beneath a probed call still running: it counts this one */
         count(CNT_CUDA_NESTED);
         return 0;
     }
@@ -171,7 +179,10 @@ static __always_inline int cuda_enter(struct pt_regs *ctx, u16 api, u8 cls, u32 
         .cls = cls,
         .sig = cls == CC_COPY_KIND ? copy_dir(cuda_arg(ctx, darg)) : (u8)darg,
     };
-    cuda_calls.update(&tid, &n);
+    if (ret)
+        cuda_calls.update(&tid, &n);
+    else
+        cuda_account(&n, tid, 0, now);  /* no return probe: counted now */
     return 0;
 }
 
@@ -287,8 +298,8 @@ int cuda_ret(struct pt_regs *ctx)
 }
 
 /* One entry program per row of CUDA_APIS: cuda_e_<api>. */
-#define CUDA_ENTRY(api, sym, cls, barg, darg) \
-    int cuda_e_##api(struct pt_regs *ctx) { return cuda_enter(ctx, api, cls, barg, darg); }
+#define CUDA_ENTRY(api, sym, cls, barg, darg, ret) \
+    int cuda_e_##api(struct pt_regs *ctx) { return cuda_enter(ctx, api, cls, barg, darg, ret); }
 CUDA_APIS(CUDA_ENTRY)
 
 /* ws_snapshot: the set's CUDA sums go into the record, which is then sent whole (WSF_CUDA). */

@@ -208,6 +208,13 @@ def test_launches_only_when_asked_for():
     assert server.attributes["tracejoin.cuda.launches"] == 0
 
 
+def test_return_probes_only_where_a_return_is_needed():
+    """Runtime calls (their return ends the nesting window) and synchronisations (the wait) have
+    one; a driver copy, allocation, free or launch is counted at its entry."""
+    for a in APIS:
+        assert a.ret == (a.layer == "runtime" or a.cls == "CC_SYNC"), a
+
+
 def test_api_row_type():
     assert CudaApi(0, "cudaMemcpy", "CC_COPY_KIND").layer == "runtime"
     assert CudaApi(8, "cuMemcpyHtoD_v2", "CC_COPY").entry_fn == "cuda_e_8"

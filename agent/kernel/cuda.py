@@ -40,7 +40,7 @@ TRACKED_MAX = 4096  # processes remembered for the fast rescan (most recent firs
 
 _RUNTIME = re.compile(r"^libcudart(?:-[0-9a-f]{8,})?\.so(?:\.\d+)*$")
 _DRIVER = re.compile(r"^libcuda\.so(?:\.\d+)*$")
-_ROW = re.compile(r"X\((\d+),\s*(\w+),\s*(CC_\w+),\s*(\d+),\s*(\w+)\)")
+_ROW = re.compile(r"X\((\d+),\s*(\w+),\s*(CC_\w+),\s*(\d+),\s*(\w+),\s*([01])\)")
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class CudaApi:
     api: int
     symbol: str
     cls: str  # CC_*
+    ret: bool = True  # a return probe too (runtime calls and synchronisations)
 
     @property
     def layer(self) -> str:
@@ -65,7 +66,7 @@ def load_apis(header: Path) -> tuple[CudaApi, ...]:
     text = header.read_text()
     body = text[text.index("#define CUDA_APIS(X)") :]
     body = body[: body.index("\n\n")]
-    return tuple(CudaApi(int(a), s, c) for a, s, c, _, _ in _ROW.findall(body))
+    return tuple(CudaApi(int(a), s, c, r == "1") for a, s, c, _, _, r in _ROW.findall(body))
 
 
 def library_kind(path: str) -> str | None:
@@ -295,8 +296,10 @@ class CudaProbes:
                 continue
             try:
                 self.bpf.attach_uprobe(name=path, sym=sym.encode(), fn_name=api.entry_fn.encode())
-                self.bpf.attach_uretprobe(name=path, sym=sym.encode(), fn_name=b"cuda_ret")
-                f.probes += 2
+                f.probes += 1
+                if api.ret:
+                    self.bpf.attach_uretprobe(name=path, sym=sym.encode(), fn_name=b"cuda_ret")
+                    f.probes += 1
             except Exception as exc:  # reported per file; the other files still attach
                 f.error = f"attaching {sym} failed ({exc})"
                 break
