@@ -18,10 +18,11 @@ Phases, each `rounds` times, in this order:
              one `threads` lookup at each entry, nothing remembered)
   off again  the agent unloaded: the baseline once more, to see drift
 
-Prints ns per call per phase, the difference to the baseline, the BPF run time of the CUDA
-programs per call (kernel.bpf_stats_enabled), and the cost of the request pattern the tests use
-(cudaMalloc, two copies, a synchronisation, cudaFree: five runtime calls, each over a driver
-call). docs/performance.md quotes it.
+Prints the calling thread's CPU ns per call per phase (CLOCK_THREAD_CPUTIME_ID: a uprobe runs in
+the thread that hits it, and a busy host's preemption does not inflate it), the difference to
+the baseline, the BPF run time of the CUDA programs per call (kernel.bpf_stats_enabled), and the
+cost of the request pattern the tests use (cudaMalloc, two copies, a synchronisation, cudaFree:
+five runtime calls, each over a driver call). docs/performance.md quotes it.
 """
 
 from __future__ import annotations

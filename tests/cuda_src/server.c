@@ -2,7 +2,7 @@
  * stub statically (as nvcc links cudart by default) or dynamically (bench/cuda_cost.py), and the
  * driver stub dynamically. Per request to /work?n=N it allocates N bytes, copies them to the
  * "device" and back, synchronises and frees: the calls a span must show. /loop?n=K makes K
- * 64-byte cudaMemcpy calls and answers the ns per call (a tight loop inside a request: its
+ * 64-byte cudaMemcpy calls and answers the thread CPU ns per call (a tight loop inside a request: its
  * thread is in the request's work set). Usage: server PORT (prints "ready" once it listens), or
  * server loop K (the same loop outside any request, printed). */
 #include <arpa/inet.h>
@@ -37,10 +37,11 @@ static double loop_ns(unsigned long k)
 {
     static char host[64], dev[64];
     struct timespec a, b;
-    clock_gettime(CLOCK_MONOTONIC, &a);
+    /* CPU time: the probes run in this thread; a busy host's preemption does not count */
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &a);
     for (unsigned long i = 0; i < k; i++)
         cudaMemcpy(dev, host, sizeof(host), 1);
-    clock_gettime(CLOCK_MONOTONIC, &b);
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &b);
     return ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec)) / (k ? k : 1);
 }
 
