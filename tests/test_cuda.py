@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -186,3 +187,44 @@ def test_calls_of_a_worker_process_land_on_the_request_through_the_work_set(cuda
         # under the worker's own span: where the request's work waited on the GPU
         (helper,) = [k for k in kids if k.attributes.get("process.pid") == worker]
         assert sync.parent_span_id == helper.span_id
+
+
+def test_calls_of_a_batching_worker_are_shared_never_a_request_s_own(cuda_agent, stubs):
+    """One GPU worker thread serves two open requests with one set of calls: both spans carry
+    them as shared (under tracejoin.work.shared.cuda.*), neither as its own."""
+    port = cuda_agent.take_port()
+    with py_server("batch", stubs.runtime, port) as proc:
+        pair: list[tuple[bytes, Span, list[Span]]] = []
+
+        def batch() -> None:
+            out: dict[int, tuple[bytes, Span, list[Span]]] = {}
+
+            def one(i: int) -> None:
+                out[i] = work(cuda_agent, port, 1000 * (i + 1))
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+            for t in threads:
+                # the worker must be asleep again when the second request comes: a wake reaches
+                # only a sleeping thread (docs/attributes.md, work set: what it cannot see)
+                t.start()
+                time.sleep(0.3)
+            for t in threads:
+                t.join()
+            pair[:] = [out[0], out[1]]
+
+        batch()  # the agent sees the process serve: it rescans it
+        wait_probed(cuda_agent, proc.pid, "runtime")
+        batch()
+    for _, span, kids in pair:
+        a = span.attributes
+        assert a["tracejoin.work.shared_with_max"] >= 1, a
+        # the batch's calls (one copy each way of both requests' bytes) are shared ...
+        assert a["tracejoin.work.shared.cuda.memcpy.bytes.host_to_device"] == 3000, a
+        assert a["tracejoin.work.shared.cuda.memcpy.count"] == 2
+        assert a["tracejoin.work.shared.cuda.sync.wait_ns"] >= SYNC_NS
+        # ... and never the request's own
+        assert a["tracejoin.cuda.memcpy.bytes.host_to_device"] == 0
+        assert a["tracejoin.cuda.memcpy.count"] == 0
+        assert a["tracejoin.cuda.sync.wait_ns"] == 0
+        (sync,) = [k for k in kids if "tracejoin.cuda.sync.wait_ns" in k.attributes]
+        assert sync.attributes["tracejoin.work.shared"] is True

@@ -6,10 +6,13 @@ MODE
   dlopen   loads it (ctypes.CDLL) on the first /work request: after the agent started
   worker   forks a worker process that loads it; the HTTP front hands each request's work to
            the worker over a pipe and waits for its answer (the front never calls CUDA)
+  batch    a thread per connection; one GPU worker thread waits until BATCH (env, default 2)
+           requests are queued, makes the calls once for the whole batch, and answers them all
 
 GET /work?n=N: cudaMalloc N bytes, cudaMemcpy them host to device, cudaStreamSynchronize,
 cudaMemcpy back, cudaFree; the body is what the stub's cudaMemcpy recorded ("count kind calls").
-One thread serves every request (stdlib HTTPServer), so each request's reader is known.
+One thread serves every request (stdlib HTTPServer; batch: ThreadingHTTPServer), so each
+request's reader is known.
 Prints "ready" on stdout once listening.
 """
 
@@ -20,7 +23,8 @@ import os
 import signal
 import struct
 import sys
-from http.server import BaseHTTPRequestHandler, HTTPServer
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 
@@ -68,8 +72,45 @@ def worker(rd: int, wr: int) -> None:
         os.write(wr, struct.pack("<I", len(body)) + body)
 
 
+class Batcher:
+    """One GPU worker thread serving requests in batches of BATCH: a batching inference
+    worker. Its calls serve every request of the batch at once: shared, not any one's own."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.cond = threading.Condition()
+        self.queue: list[tuple[int, list[bytes], threading.Event]] = []
+        threading.Thread(target=self.run, name="gpu-batcher", daemon=True).start()
+
+    def submit(self, n: int) -> bytes:
+        out: list[bytes] = []
+        done = threading.Event()
+        with self.cond:
+            self.queue.append((n, out, done))
+            self.cond.notify()
+        done.wait()
+        return out[0]
+
+    def run(self) -> None:
+        cuda = Cuda(LIB)
+        while True:
+            with self.cond:
+                while len(self.queue) < self.size:
+                    self.cond.wait()
+                batch, self.queue = self.queue[: self.size], self.queue[self.size :]
+            body = cuda.work(sum(n for n, _, _ in batch))
+            for _, out, done in batch:
+                out.append(body)
+                done.set()
+
+
+_batcher: Batcher | None = None
+
+
 def work(n: int) -> bytes:
     global _cuda
+    if _batcher is not None:
+        return _batcher.submit(n)
     if MODE == "worker":
         os.write(_to_worker, struct.pack("<Q", n))
         size = struct.unpack("<I", os.read(_from_worker, 4))[0]
@@ -97,13 +138,20 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def main() -> None:
-    global _to_worker, _from_worker
+    global _to_worker, _from_worker, _batcher
     if MODE == "worker":
         a_rd, a_wr = os.pipe()
         b_rd, b_wr = os.pipe()
         if os.fork() == 0:
             worker(a_rd, b_wr)
         _to_worker, _from_worker = a_wr, b_rd
+    if MODE == "batch":
+        _batcher = Batcher(int(os.environ.get("BATCH", "2")))
+        threaded = ThreadingHTTPServer(("127.0.0.1", int(sys.argv[3])), Handler)
+        threaded.daemon_threads = True
+        print("ready", flush=True)
+        threaded.serve_forever(poll_interval=3600)
+        return
     srv = HTTPServer(("127.0.0.1", int(sys.argv[3])), Handler)
     print("ready", flush=True)
     srv.serve_forever(poll_interval=3600)  # never wakes on a timer: one thread, no GIL hand-off
