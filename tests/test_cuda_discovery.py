@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -250,3 +251,66 @@ def test_summary_cuda_table_only_when_a_request_made_calls():
     assert rows["/infer"][:4] == ["4.2M/4.2M", "4.1k/4.1k", "2/2", "31.5/31.5"]
     assert rows["/batch"][3:5] == ["0/0", "~8/~8"]  # shared: marked, not the request's own
     assert all(len(line) <= 100 for line in text.splitlines())
+
+
+# ------------------------------------------------------------------------------ doctor
+
+
+def test_doctor_lists_found_and_not_probeable_files(tmp_path):
+    """Real ELF files (the test doubles), read by the real symbol reader, through a fake /proc."""
+    import cuda_stubs
+    from tracejoin.host.doctor import Status, check_cuda
+
+    if cuda_stubs.compiler() is None:
+        pytest.skip("no C compiler (gcc) to build the CUDA test doubles")
+    stubs = cuda_stubs.build(tmp_path / "stubs")
+    fake_proc(tmp_path, 11, [str(stubs.hashed), str(stubs.driver)])
+    fake_proc(tmp_path, 12, [str(stubs.static_server), str(stubs.driver)], exe=stubs.static_server)
+    stripped = tmp_path / "stripped-server"
+    stripped.write_bytes(stubs.static_server.read_bytes())
+    subprocess.run(["strip", str(stripped)], check=True)
+    fake_proc(tmp_path, 13, [str(stripped), str(stubs.driver)], exe=stripped)
+    check = check_cuda(tmp_path)
+    assert check.status is Status.AVAILABLE, check
+    assert check.detail == "3 of 3 CUDA files probeable with --cuda"
+    files = {Path(f["path"]).name: f for f in check.data["files"]}
+    assert files[stubs.hashed.name]["kind"] == "runtime"
+    assert "cudaMemcpy" in files[stubs.hashed.name]["calls"]
+    assert files["cuda-static-server"]["kind"] == "static"
+    assert set(files["libcuda.so.1"]["calls"]) >= {"cuMemcpyHtoD_v2", "cuStreamSynchronize"}
+    assert "only its driver calls are probed" in check.data["not_probeable"]["13"]
+    assert any(n.startswith("pid 13: ") for n in check.notes)
+
+
+def test_doctor_without_cuda_says_none_is_mapped(tmp_path):
+    from tracejoin.host.doctor import Status, check_cuda
+
+    check = check_cuda(tmp_path)
+    assert check.status is Status.UNAVAILABLE
+    assert check.detail.startswith("no process maps libcudart or libcuda now")
+
+
+def test_a_failing_rescan_never_costs_a_record():
+    from tracejoin.core.metrics import Metrics
+    from tracejoin.kernel.probes import HttpProbes, ProbeConfig
+
+    class Ring:
+        def __init__(self, probes: HttpProbes) -> None:
+            self.probes = probes
+
+        def ring_buffer_consume(self) -> None:
+            self.probes._batch.append(bytes(record.HttpRecord()))
+
+    class Broken:
+        def track(self, pids: object) -> None:
+            pass
+
+        def poll(self) -> None:
+            raise OSError("proc went away mid-scan")
+
+    metrics = Metrics()
+    probes = HttpProbes(ProbeConfig(cuda=True), metrics)
+    probes._bpf = Ring(probes)
+    probes.cuda = Broken()  # type: ignore[assignment]
+    assert len(probes.poll(timeout_ms=0)) == 1
+    assert metrics.get("cuda_rescan_errors") == 1

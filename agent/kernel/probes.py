@@ -401,8 +401,12 @@ class HttpProbes:
             bpf.ring_buffer_consume()
         batch, self._batch = self._batch, []
         if self.cuda is not None:
-            self.cuda.track(_record_pids(batch))
-            self.cuda.poll()
+            try:  # finding libraries never costs a record
+                self.cuda.track(_record_pids(batch))
+                self.cuda.poll()
+            except Exception:
+                self.metrics.inc("cuda_rescan_errors")
+                log.exception("CUDA library rescan failed (the records are kept)")
         return batch
 
     def detach(self) -> None:
