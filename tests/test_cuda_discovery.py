@@ -314,3 +314,20 @@ def test_a_failing_rescan_never_costs_a_record():
     probes.cuda = Broken()  # type: ignore[assignment]
     assert len(probes.poll(timeout_ms=0)) == 1
     assert metrics.get("cuda_rescan_errors") == 1
+
+
+def test_cuda_is_off_without_the_work_set_and_says_why():
+    from conftest import privileged_missing
+    from tracejoin.core.metrics import Metrics
+    from tracejoin.kernel.probes import HttpProbes, ProbeConfig
+
+    if reason := privileged_missing():
+        pytest.skip(reason)
+    probes = HttpProbes(ProbeConfig(cuda=True, workset=False), Metrics())
+    knobs = probes.plan()
+    assert "WITH_CUDA" not in knobs
+    assert probes.status.signals["cuda"] == "off: needs the work set"
+    on = HttpProbes(ProbeConfig(cuda=True, cuda_sync_threshold_ns=7_000_000), Metrics())
+    knobs = on.plan()
+    assert knobs["CUDA_SYNC_THRESHOLD_NS"] == 7_000_000 and "WITH_CUDA" in knobs
+    assert "cuda_launches" not in on.status.signals
