@@ -63,6 +63,9 @@ def probe_config(s: Settings) -> ProbeConfig:
         runq_threshold_ns=int(s.runq_threshold_ms * 1e6),
         disabled_tracepoints=frozenset(s.disable_tracepoint),
         tlb_hardware={"auto": None, "hardware": True, "flush": False}[s.tlb],
+        cuda=s.cuda,
+        cuda_launches=s.cuda_launches,
+        cuda_sync_threshold_ns=int(s.cuda_sync_threshold_ms * 1e6),
     )
 
 

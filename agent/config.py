@@ -189,6 +189,27 @@ class Settings:
         "TLB signal: hardware dTLB/iTLB misses when the PMU opens (auto), or force one.",
         ENV + "TLB",
     )
+    cuda: bool = option(
+        False,
+        bool,
+        "Uprobes on the CUDA runtime and driver libraries processes map: copies, "
+        "synchronisations, graph launches and allocations on each request's span (needs the "
+        "work set).",
+        ENV + "CUDA",
+    )
+    cuda_launches: bool = option(
+        False,
+        bool,
+        "With --cuda, also count kernel launches (cudaLaunchKernel, cuLaunchKernel*): a uprobe "
+        "pair on the launch path costs microseconds per launch.",
+        ENV + "CUDA_LAUNCHES",
+    )
+    cuda_sync_threshold_ms: float = option(
+        1.0,
+        click.FloatRange(0.01, 60_000),
+        "With --cuda, synchronisations at least this long become child spans.",
+        ENV + "CUDA_SYNC_THRESHOLD_MS",
+    )
     disable_tracepoint: tuple[str, ...] = option(
         (),
         str,

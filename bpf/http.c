@@ -31,6 +31,9 @@
  * pasted in here):
  *   WITH_RECVQ, WITH_TUPLE_AT_READ, WITH_TCPSTATS, WITH_SCHED, WITH_TLB_FLUSH, WITH_FAULTS,
  *   WITH_WORKSET (needs WITH_SCHED)
+ *   WITH_CUDA (needs WITH_WORKSET), CUDA_SYNC_THRESHOLD_NS
+ *                                          uprobes on CUDA calls (bpf/cuda.h), attached by
+ *                                          agent/kernel/cuda.py to the libraries it finds
  *   TASK_FLAGS_OFF, TASK_PID_OFF, TASK_TGID_OFF, TASK_COMM_OFF
  *                                          task_struct member offsets from the running kernel's
  *                                          BTF (WITH_WORKSET only; agent/kernel/btf.py)

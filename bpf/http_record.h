@@ -57,6 +57,25 @@
                                * WS_REFS at once): unexplained_wait_ns is not measured */
 #define WSF_STATS    0x08     /* the reader's counters were taken when the request was read: the
                                * enrichment fields are measured (without it they are not) */
+#define WSF_CUDA     0x80     /* the work set made probed CUDA calls: the record is sent whole,
+                               * http_record.cuda included (bpf/cuda.h) */
+
+/* CUDA calls a request's work set made (bpf/cuda.h), by index into cuda_block.own/shared. */
+#define CSIG_MEMCPY_H2D 0     /* bytes copied host to device */
+#define CSIG_MEMCPY_D2H 1     /* ... device to host */
+#define CSIG_MEMCPY_D2D 2     /* ... device to device */
+#define CSIG_MEMCPY_OTHER 3   /* ... host to host, peer, or inferred from the pointers (Default) */
+#define CSIG_MEMCPY_CALLS 4
+#define CSIG_SYNC_NS 5        /* host time blocked in synchronisation calls */
+#define CSIG_SYNC_CALLS 6
+#define CSIG_GRAPH_LAUNCHES 7
+#define CSIG_LAUNCHES 8       /* kernel launches (opt-in: probed only with --cuda-launches) */
+#define CSIG_ALLOC_BYTES 9
+#define CSIG_ALLOC_CALLS 10
+#define CSIG_FREE_CALLS 11
+#define CSIG_ERRORS 12        /* probed calls that returned an error (their bytes not counted) */
+#define CSIG_COUNT 13
+#define CUDA_WAIT_SLOTS 4     /* longest synchronisation waits kept per request (child spans) */
 
 /* Indices of the `progs` prog_array: user space loads each scanner into its slot. */
 #define PROG_SCAN_REQ 0
@@ -67,6 +86,23 @@
 struct runq_wait {
     __u64 start_ns;
     __u64 dur_ns;
+};
+
+/* One synchronisation call, for a child span: api is its row in bpf/cuda.h CUDA_APIS. */
+struct cuda_wait {
+    __u64 start_ns;
+    __u64 dur_ns;
+    __u32 tid;
+    __u16 api;
+    __u16 shared;          /* 1: the thread also worked for other open requests then */
+};
+
+/* What a request's work set asked of CUDA. own[]: calls by member threads that worked for this
+ * request alone; shared[]: calls made while the thread also worked for other open requests. */
+struct cuda_block {
+    __u64 own[CSIG_COUNT];
+    __u64 shared[CSIG_COUNT];
+    struct cuda_wait waits[CUDA_WAIT_SLOTS]; /* the longest waits; dur_ns 0: unused */
 };
 
 /* One helper thread of a request's work set (not the reader). Counters are what it did while it
@@ -148,9 +184,12 @@ struct http_record {
     __u8  ws_flags;        /* WSF_* */
     __u32 _pad2;
     struct ws_member members[WS_SLOTS];
+    /* --- sent only with WSF_CUDA (then the record is sent whole, members[] included) --- */
+    struct cuda_block cuda;
 };
 
-/* A record ends after its last used work-set member: members[ws_nslots..] are not sent. */
+/* A record ends after its last used work-set member: members[ws_nslots..] are not sent (unless
+ * WSF_CUDA: then all of it is). */
 #define REC_HTTP_FIXED_SIZE __builtin_offsetof(struct http_record, members)
 
 /* Per-CPU counters in the `counters` array map, by index. User space exports CNT_FOO as
@@ -177,6 +216,10 @@ struct http_record {
 #define CNT_WORKSET_FULL        20 /* wakes refused: the work set already had WS_MAX threads */
 #define CNT_WORKSET_LOST        21 /* work sets evicted (or never created) before the response */
 #define CNT_WORKSET_REFS_FULL   22 /* threads in more than WS_REFS open work sets at once */
-#define CNT_MAX                  32 /* size of the map: indices in use are below it */
+#define CNT_CUDA_UNATTRIBUTED   46 /* probed CUDA calls by a thread in no open work set */
+#define CNT_CUDA_NESTED         47 /* probed calls beneath another (runtime over driver): not
+                                    * counted again */
+#define CNT_CUDA_ACC_LOST       48 /* CUDA sums of a work set that could not be created */
+#define CNT_MAX                  64 /* size of the map: indices in use are below it */
 
 #endif

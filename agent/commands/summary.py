@@ -178,6 +178,44 @@ WORK_COLUMNS: tuple[WorkColumn, ...] = (
 )
 
 
+def _cuda(key: str, scale: float = 1.0) -> Callable[[Attrs], float | None]:
+    """A CUDA value: 0 for a request of a capture with --cuda that made no probed call (its span
+    has the work set but no CUDA attribute), None for one without the work set."""
+
+    def get(attrs: Attrs) -> float | None:
+        if _num(attrs, "tracejoin.work.shared_with_max") is None:
+            return None
+        return (_num(attrs, key) or 0.0) * scale
+
+    return get
+
+
+# CUDA calls (docs/attributes.md "CUDA"), shown only when a request of the capture made one.
+CUDA_COLUMNS: tuple[WorkColumn, ...] = (
+    WorkColumn(
+        "h2d B",
+        "h2d, d2h: bytes the work set copied host to device and back (cudaMemcpy*, cuMemcpy*)",
+        _cuda("tracejoin.cuda.memcpy.bytes.host_to_device"),
+    ),
+    WorkColumn("d2h B", "", _cuda("tracejoin.cuda.memcpy.bytes.device_to_host")),
+    WorkColumn("copies", "copies: memcpy calls", _cuda("tracejoin.cuda.memcpy.count")),
+    WorkColumn(
+        "sync ms",
+        "sync: host time blocked in CUDA synchronisation calls, own part",
+        _cuda("tracejoin.cuda.sync.wait_ns", 1e-6),
+    ),
+    WorkColumn(
+        "~sync ms",
+        "~sync: the same by threads that also served other open requests (a batching GPU "
+        "worker): shared, not the request's own",
+        _cuda("tracejoin.work.shared.cuda.sync.wait_ns", 1e-6),
+        shared=True,
+    ),
+    WorkColumn("graphs", "graphs: CUDA graph launches", _cuda("tracejoin.cuda.graph_launches")),
+    WorkColumn("alloc B", "alloc: bytes allocated", _cuda("tracejoin.cuda.alloc.bytes")),
+)
+
+
 def percentile(sorted_vals: list[float], p: float) -> float:
     """Nearest-rank percentile: the smallest value v with at least p% of the values <= v."""
     if not sorted_vals:
@@ -193,6 +231,7 @@ class EndpointStats:
     durations_ms: array[float] = field(default_factory=lambda: array("d"))
     components: list[array[float]] = field(default_factory=lambda: [array("d") for _ in COMPONENTS])
     work: list[array[float]] = field(default_factory=lambda: [array("d") for _ in WORK_COLUMNS])
+    cuda: list[array[float]] = field(default_factory=lambda: [array("d") for _ in CUDA_COLUMNS])
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -232,6 +271,7 @@ class Summary:
     tlb_kinds: set[str] = field(default_factory=set)
     source: str = ""  # where the spans came from, when there is no capture metadata
     examples: dict[bool, Example] = field(default_factory=dict)  # by "instrumented"
+    cuda_seen: bool = False  # a request made a probed CUDA call: the CUDA table is shown
 
     @property
     def requests(self) -> int:
@@ -257,6 +297,15 @@ class Summary:
             if v is not None:
                 values.append(v)
         for col, values in zip(WORK_COLUMNS, ep.work, strict=True):
+            v = col.value(attrs)
+            if v is not None:
+                values.append(v)
+        if (
+            "tracejoin.cuda.memcpy.count" in attrs
+            or "tracejoin.work.shared.cuda.memcpy.count" in attrs
+        ):
+            self.cuda_seen = True
+        for col, values in zip(CUDA_COLUMNS, ep.cuda, strict=True):
             v = col.value(attrs)
             if v is not None:
                 values.append(v)
@@ -324,6 +373,9 @@ class Summary:
             if any(values for ep in self.endpoints.values() for values in ep.work):
                 lines.append("")
                 lines.extend(self._work_table())
+            if self.cuda_seen:
+                lines.append("")
+                lines.extend(self._cuda_table())
             lines.append("")
             lines.extend(self._slowest())
         if self.examples:
@@ -386,20 +438,29 @@ class Summary:
         return out
 
     def _work_table(self) -> list[str]:
-        head = f"{'work set':<{WORK_NAME}}" + "".join(
-            f"{c.column:>{WORK_CELL}}" for c in WORK_COLUMNS
-        )
+        return self._column_table("work set", WORK_COLUMNS, lambda ep: ep.work)
+
+    def _cuda_table(self) -> list[str]:
+        return self._column_table("cuda", CUDA_COLUMNS, lambda ep: ep.cuda)
+
+    def _column_table(
+        self,
+        title: str,
+        columns: tuple[WorkColumn, ...],
+        pick: Callable[[EndpointStats], list[array[float]]],
+    ) -> list[str]:
+        head = f"{title:<{WORK_NAME}}" + "".join(f"{c.column:>{WORK_CELL}}" for c in columns)
         sub = " " * WORK_NAME + "".join(
-            f"{'p50/max' if c.high == 100 else 'p50/p99':>{WORK_CELL}}" for c in WORK_COLUMNS
+            f"{'p50/max' if c.high == 100 else 'p50/p99':>{WORK_CELL}}" for c in columns
         )
         out = [head, sub, "-" * len(head)]
         order = sorted(self.endpoints.items(), key=lambda kv: (-kv[1].count, kv[0]))
         for raw_name, ep in order:
-            if not any(ep.work):
+            if not any(pick(ep)):
                 continue
             name = terminal_safe(raw_name)
             nums = ""
-            for col, values in zip(WORK_COLUMNS, ep.work, strict=True):
+            for col, values in zip(columns, pick(ep), strict=True):
                 vals = sorted(values)
                 lo, hi = percentile(vals, 50), percentile(vals, col.high)
                 cell = f"{_mark(lo, col.shared)}/{_mark(hi, col.shared)}" if vals else "-"
@@ -409,7 +470,7 @@ class Summary:
             else:
                 out.append(name)
                 out.append(" " * WORK_NAME + nums)
-        legend = " ".join(c.legend + "." for c in WORK_COLUMNS if c.legend)
+        legend = " ".join(c.legend + "." for c in columns if c.legend)
         return out + _wrap(legend)
 
     def _legend(self) -> list[str]:

@@ -96,6 +96,8 @@ PROBE_SIGNALS = (  # tracejoin.kernel.probes: OPTIONAL_SIGNALS, page_faults, tlb
     "tlb_hardware",
     "tlb_flush_fallback",
     "tlb_off",
+    "cuda",  # opt-in (--cuda, --cuda-launches): reported only when asked for
+    "cuda_launches",
 )
 SERVICE_NAME_SOURCES = (  # tracejoin.enrich.resources.SERVICE_NAME_SOURCES
     "config",
@@ -173,6 +175,15 @@ METRICS: tuple[Metric, ...] = (
         values={"signal": PROBE_SIGNALS},
     ),
     gauge("probes_loaded", "1 while the BPF programs are attached."),
+    gauge(
+        "cuda_files",
+        "CUDA libraries (and executables with a static runtime) found with --cuda, by state: "
+        "probed, or not_probeable (the log and `tracejoin doctor` say why).",
+        "state",
+        values={"state": ("probed", "not_probeable")},
+    ),
+    gauge("cuda_uprobes", "Uprobes attached to CUDA calls (entries, and returns where needed)."),
+    counter("cuda_rescan_errors", "Rescans for CUDA libraries that raised (the agent goes on)."),
     gauge("probe_load_seconds", "Seconds compiling and attaching the BPF programs."),
     gauge("ready", "1 while /readyz answers 200."),
     gauge("build_info", "Always 1; the version label is tracejoin's.", "version"),

@@ -60,6 +60,24 @@ WSF_TRACKED = 0x01
 WSF_CAP = 0x02
 WSF_NO_GAP = 0x04
 WSF_STATS = 0x08
+WSF_CUDA = 0x80
+
+# CUDA calls of a request's work set (CSIG_*): indices into CudaBlock.own/shared
+CSIG_MEMCPY_H2D = 0
+CSIG_MEMCPY_D2H = 1
+CSIG_MEMCPY_D2D = 2
+CSIG_MEMCPY_OTHER = 3
+CSIG_MEMCPY_CALLS = 4
+CSIG_SYNC_NS = 5
+CSIG_SYNC_CALLS = 6
+CSIG_GRAPH_LAUNCHES = 7
+CSIG_LAUNCHES = 8
+CSIG_ALLOC_BYTES = 9
+CSIG_ALLOC_CALLS = 10
+CSIG_FREE_CALLS = 11
+CSIG_ERRORS = 12
+CSIG_COUNT = 13
+CUDA_WAIT_SLOTS = 4
 
 # slots of the `progs` prog_array
 PROG_SCAN_REQ = 0
@@ -88,7 +106,10 @@ CNT_UNTRUSTED_UNSCANNED = 16
 CNT_WORKSET_FULL = 20
 CNT_WORKSET_LOST = 21
 CNT_WORKSET_REFS_FULL = 22
-CNT_MAX = 32
+CNT_CUDA_UNATTRIBUTED = 46
+CNT_CUDA_NESTED = 47
+CNT_CUDA_ACC_LOST = 48
+CNT_MAX = 64
 
 # CNT_FOO is exported as `kernel_foo`: index -> name, and each name's help text.
 KERNEL_COUNTERS: dict[int, str] = {
@@ -112,6 +133,9 @@ KERNEL_COUNTERS: dict[int, str] = {
     CNT_WORKSET_FULL: "workset_full",
     CNT_WORKSET_LOST: "workset_lost",
     CNT_WORKSET_REFS_FULL: "workset_refs_full",
+    CNT_CUDA_UNATTRIBUTED: "cuda_unattributed",
+    CNT_CUDA_NESTED: "cuda_nested",
+    CNT_CUDA_ACC_LOST: "cuda_acc_lost",
 }
 KERNEL_COUNTER_HELP: dict[str, str] = {
     "records_submitted": "Records the kernel tried to emit (one per request)",
@@ -145,6 +169,11 @@ KERNEL_COUNTER_HELP: dict[str, str] = {
     "workset_full": "Wakes not followed: the request's work set already had WS_MAX threads",
     "workset_lost": "Requests whose work set was lost before their response (no work-set values)",
     "workset_refs_full": "Threads that joined more than WS_REFS open work sets at once",
+    "cuda_unattributed": "Probed CUDA calls by a thread in no open request's work set "
+    "(work outside requests, or a worker that polls: no thread link)",
+    "cuda_nested": "Probed CUDA calls made beneath another probed call (a runtime call's "
+    "driver call): counted once, by the outer call",
+    "cuda_acc_lost": "CUDA calls not added to a request: its CUDA sums could not be created",
 }
 
 
@@ -174,6 +203,28 @@ class WsMember(ctypes.Structure):
         """The thread name as the kernel holds it (up to 16 bytes, NUL-terminated)."""
         raw = ctypes.string_at(ctypes.addressof(self) + WsMember.comm.offset, 16)
         return raw.split(b"\0", 1)[0]
+
+
+class CudaWait(ctypes.Structure):
+    """Mirror of struct cuda_wait: one synchronisation call (api: its row in CUDA_APIS)."""
+
+    _fields_ = (
+        ("start_ns", ctypes.c_uint64),
+        ("dur_ns", ctypes.c_uint64),
+        ("tid", ctypes.c_uint32),
+        ("api", ctypes.c_uint16),
+        ("shared", ctypes.c_uint16),
+    )
+
+
+class CudaBlock(ctypes.Structure):
+    """Mirror of struct cuda_block: the CUDA calls of a request's work set, by CSIG_*."""
+
+    _fields_ = (
+        ("own", ctypes.c_uint64 * CSIG_COUNT),
+        ("shared", ctypes.c_uint64 * CSIG_COUNT),
+        ("waits", CudaWait * CUDA_WAIT_SLOTS),
+    )
 
 
 class HttpRecord(ctypes.Structure):
@@ -235,6 +286,7 @@ class HttpRecord(ctypes.Structure):
         ("ws_flags", ctypes.c_uint8),
         ("_pad2", ctypes.c_uint32),
         ("members", WsMember * WS_SLOTS),
+        ("cuda", CudaBlock),
     )
 
     def method_str(self) -> str:
@@ -263,5 +315,6 @@ class HttpRecord(ctypes.Structure):
         return raw[: min(self.tp_len, TP_CAP)]
 
 
-# A record ends after its last used work-set member (bpf/http_enrich.h record_size).
+# A record ends after its last used work-set member (bpf/http_enrich.h record_size), unless it
+# carries CUDA sums (WSF_CUDA): then it is sent whole.
 REC_HTTP_FIXED_SIZE = HttpRecord.members.offset

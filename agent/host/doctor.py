@@ -279,8 +279,41 @@ def run_checks(options: DoctorOptions | None = None) -> Report:
     checks.append(check_headers(root, release))
     checks.append(_from_probe("bpf trial load", "BPF", True, opts.bpf_trial or bpf_trial_load))
     checks.append(_from_probe("nvml", "GPU", False, opts.nvml_probe or nvml_status))
+    checks.append(check_cuda(root))
     signals = derive_signals(checks, opts)
     return Report(checks, signals, release, duration_s=time.monotonic() - t0)
+
+
+def check_cuda(root: Path) -> Check:
+    """The CUDA libraries processes map now (what `--cuda` would probe), and what could not be
+    probed, with why. Optional, and only informative: a library mapped later is found then."""
+    from tracejoin.kernel.cuda import discover
+
+    try:
+        files, notes = discover(probes.bpf_source_dir() / "cuda.h", root / "proc")
+    except Exception as e:  # never crash a doctor on one process's odd files
+        return Check("cuda libraries", "GPU", Status.UNAVAILABLE, f"scan failed: {e}")
+    ok = [f for f in files if not f.error]
+    lines = [
+        f"{f.path} ({f.kind}): "
+        + (f"{len(f.symbols)} probed calls" if not f.error else f"not probeable: {f.error}")
+        + f"; pids {', '.join(str(p) for p in sorted(f.pids)[:8])}"
+        for f in files
+    ]
+    lines += [f"pid {pid}: {why}" for pid, why in sorted(notes.items())]
+    data = {
+        "files": [
+            {"path": f.path, "kind": f.kind, "calls": list(f.symbols), "error": f.error}
+            for f in files
+        ],
+        "not_probeable": {str(pid): why for pid, why in notes.items()},
+    }
+    if not files:
+        detail = "no process maps libcudart or libcuda now (--cuda finds them when they do)"
+        return Check("cuda libraries", "GPU", Status.UNAVAILABLE, detail, notes=lines, data=data)
+    status = Status.AVAILABLE if ok else Status.UNAVAILABLE
+    detail = f"{len(ok)} of {len(files)} CUDA files probeable with --cuda"
+    return Check("cuda libraries", "GPU", status, detail, notes=lines, data=data)
 
 
 def _from_probe(name: str, group: str, required: bool, probe: Callable[[], ProbeResult]) -> Check:

@@ -24,8 +24,12 @@ from tracejoin.core.record import (
     PROG_RUN_NOTES,
     PROG_SCAN_REQ,
     PROG_SCAN_RESP,
+    WS_SLOTS,
+    HttpRecord,
+    WsMember,
 )
 from tracejoin.kernel.btf import BtfError, member_offsets
+from tracejoin.kernel.cuda import CudaProbes, load_apis
 from tracejoin.kernel.perf import perf_event_open_check
 
 log = logging.getLogger(__name__)
@@ -104,6 +108,8 @@ OPTIONAL_SIGNALS: tuple[OptionalSignal, ...] = (
         "the request's work set: threads and processes it woke (thread pools, worker processes)",
     ),
 )
+# Opt-in uprobe signals (--cuda, --cuda-launches): in ProbeStatus.signals only when asked for.
+CUDA_SIGNALS = ("cuda", "cuda_launches")
 OPTIONAL_TRACEPOINTS: tuple[str, ...] = tuple(
     tp for sig in OPTIONAL_SIGNALS for tp in sig.tracepoints
 )
@@ -127,6 +133,8 @@ KNOBS = frozenset(
         "TASK_COMM_OFF",
         "AGENT_TGID",
         "WITH_IRQ_VECTORS",
+        "WITH_CUDA",
+        "CUDA_SYNC_THRESHOLD_NS",
     }
 )
 # x86 only: irq_work's own interrupt, where BPF ring buffer and perf wakeups run (the work set
@@ -184,6 +192,9 @@ class ProbeConfig:
     tlb_hardware: bool | None = None  # None: use the PMU when it opens
     page_faults: bool = True
     workset: bool = True  # follow the work into the threads a request wakes (needs sched)
+    cuda: bool = False  # uprobes on CUDA libraries (agent/kernel/cuda.py; needs the work set)
+    cuda_launches: bool = False  # ... kernel launches too (on the critical path: opt-in)
+    cuda_sync_threshold_ns: int = 1_000_000  # synchronisations kept as child spans
 
 
 @dataclass
@@ -209,6 +220,7 @@ class HttpProbes:
         self.status = ProbeStatus()
         self._bpf: object | None = None
         self._batch: list[bytes] = []
+        self.cuda: CudaProbes | None = None
 
     # -- build ---------------------------------------------------------------------------
 
@@ -247,6 +259,15 @@ class HttpProbes:
             else:
                 self.status.signals[sig.name] = "on"
                 knobs[sig.define] = None
+        if cfg.cuda:
+            if "WITH_WORKSET" in knobs:
+                self.status.signals["cuda"] = "on"
+                knobs["WITH_CUDA"] = None
+                knobs["CUDA_SYNC_THRESHOLD_NS"] = int(cfg.cuda_sync_threshold_ns)
+                if cfg.cuda_launches:
+                    self.status.signals["cuda_launches"] = "on"
+            else:  # a call is a request's through its work set: without one, nothing to say
+                self.status.signals["cuda"] = "off: needs the work set"
         if cfg.page_faults:
             knobs["WITH_FAULTS"] = None
         if cfg.pids:
@@ -341,6 +362,10 @@ class HttpProbes:
         elif self.status.signals.get("tlb_flush") == "on":
             self.status.tlb_mode = "flush_fallback"
         bpf[b"events"].open_ring_buffer(self._on_record)
+        if "WITH_CUDA" in knobs:
+            apis = load_apis(bpf_source_dir() / "cuda.h")
+            self.cuda = CudaProbes(bpf, apis, self.metrics, launches=self.config.cuda_launches)
+            self.cuda.start()
         self.status.load_seconds = time.monotonic() - t0
         for name, state in self.status.signals.items():
             self.metrics.set("probe_mode", 1 if state == "on" else 0, signal=name)
@@ -375,6 +400,13 @@ class HttpProbes:
         else:
             bpf.ring_buffer_consume()
         batch, self._batch = self._batch, []
+        if self.cuda is not None:
+            try:  # finding libraries never costs a record
+                self.cuda.track(_record_pids(batch))
+                self.cuda.poll()
+            except Exception:
+                self.metrics.inc("cuda_rescan_errors")
+                log.exception("CUDA library rescan failed (the records are kept)")
         return batch
 
     def detach(self) -> None:
@@ -388,6 +420,9 @@ class HttpProbes:
             bpf.detach_raw_tracepoint(raw)
         for ev_type, ev_config in list(bpf.open_perf_events):
             bpf.detach_perf_event(ev_type, ev_config)
+        for ev_name in list(bpf.uprobe_fds):  # CUDA (agent/kernel/cuda.py)
+            bpf.detach_uprobe_event(ev_name)
+        self.cuda = None  # no rescans (they would attach again)
 
     def kernel_counters(self) -> dict[str, int]:
         """Per-CPU kernel counters summed (CNT_* in bpf/http_record.h)."""
@@ -414,6 +449,28 @@ class HttpProbes:
         bpf, self._bpf = self._bpf, None
         if bpf is not None:
             bpf.cleanup()  # type: ignore[attr-defined]
+
+
+_PID_AT = HttpRecord.pid.offset
+_NSLOTS_AT = HttpRecord.ws_nslots.offset
+_MEMBER_PIDS_AT = tuple(
+    HttpRecord.members.offset + i * ctypes.sizeof(WsMember) + WsMember.pid.offset
+    for i in range(WS_SLOTS)
+)
+
+
+def _record_pids(batch: list[bytes]) -> set[int]:
+    """The processes that served or worked for these records (read from the raw bytes, before
+    decoding: only to know whom to rescan for CUDA libraries)."""
+    out: set[int] = set()
+    for data in batch:
+        if len(data) <= _NSLOTS_AT:
+            continue
+        out.add(int.from_bytes(data[_PID_AT : _PID_AT + 4], "little"))
+        for at in _MEMBER_PIDS_AT[: min(data[_NSLOTS_AT], WS_SLOTS)]:
+            if len(data) >= at + 4:
+                out.add(int.from_bytes(data[at : at + 4], "little"))
+    return out
 
 
 def _workset_knobs(knobs: dict[str, int | None], disabled: frozenset[str]) -> str | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from functools import cache
 
 from tracejoin.core.model import (
     KIND_INTERNAL,
@@ -30,8 +31,22 @@ from tracejoin.core.model import (
     Span,
 )
 from tracejoin.core.record import (
+    CSIG_ALLOC_BYTES,
+    CSIG_ALLOC_CALLS,
+    CSIG_ERRORS,
+    CSIG_FREE_CALLS,
+    CSIG_GRAPH_LAUNCHES,
+    CSIG_LAUNCHES,
+    CSIG_MEMCPY_CALLS,
+    CSIG_MEMCPY_D2D,
+    CSIG_MEMCPY_D2H,
+    CSIG_MEMCPY_H2D,
+    CSIG_MEMCPY_OTHER,
+    CSIG_SYNC_CALLS,
+    CSIG_SYNC_NS,
     WS_SLOTS,
     WSF_CAP,
+    WSF_CUDA,
     WSF_NO_GAP,
     WSF_STATS,
     WSF_TRACKED,
@@ -79,6 +94,7 @@ def route_of(path: str) -> str:
 # Signal names as the probes report them (tracejoin.kernel.probes ProbeStatus.signals).
 SIG_RECVQ, SIG_TCP_STATS, SIG_SCHED, SIG_FAULTS = "recvq", "tcp_stats", "sched", "page_faults"
 SIG_WORKSET = "workset"
+SIG_CUDA, SIG_CUDA_LAUNCHES = "cuda", "cuda_launches"
 # What a thread did while it also worked for other open requests is under this prefix, never
 # under the request's own attribute: `tracejoin.mm.minor_faults` -> `tracejoin.work.shared.mm...`
 SHARED = "tracejoin.work.shared."
@@ -166,6 +182,9 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
         attrs.update(zip(tlb, (rec.tlb_a, rec.tlb_b), strict=False))
     if tracked:
         attrs.update(_work_attributes(rec, on, tlb))
+    cuda = tracked and SIG_CUDA in on and bool(rec.ws_flags & WSF_CUDA)
+    if cuda:
+        attrs.update(_cuda_attributes(rec, on))
     if rec.flags & REQF_RESP_UNTERM:
         attrs["tracejoin.http.response_unframed"] = True
     attrs.update(e.gpu)
@@ -207,8 +226,10 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
             if w.dur_ns >= opts.runq_child_threshold_ns and w.start_ns:
                 s0 = e.epoch_ns(w.start_ns)
                 spans.append(_child(server, new_id(64), "sched.runq_wait", s0, s0 + w.dur_ns))
-    if tracked:
-        spans.extend(_helper_spans(e, server, on, tlb, new_id))
+    helpers = _helper_spans(e, server, on, tlb, new_id) if tracked else []
+    spans.extend(helpers)
+    if cuda:
+        spans.extend(_cuda_wait_spans(e, server, helpers, new_id))
     return spans
 
 
@@ -253,6 +274,72 @@ def _work_attributes(
         for name, idx in zip(tlb, (WSIG_TLB_A, WSIG_TLB_B), strict=False):
             a[SHARED + name.removeprefix("tracejoin.")] = sh[idx]
     return a
+
+
+# CUDA sums by CSIG_* index: attribute name (under tracejoin.), and the signal it needs.
+CUDA_ATTRIBUTES: tuple[tuple[int, str, str], ...] = (
+    (CSIG_MEMCPY_H2D, "cuda.memcpy.bytes.host_to_device", SIG_CUDA),
+    (CSIG_MEMCPY_D2H, "cuda.memcpy.bytes.device_to_host", SIG_CUDA),
+    (CSIG_MEMCPY_D2D, "cuda.memcpy.bytes.device_to_device", SIG_CUDA),
+    (CSIG_MEMCPY_OTHER, "cuda.memcpy.bytes.other", SIG_CUDA),
+    (CSIG_MEMCPY_CALLS, "cuda.memcpy.count", SIG_CUDA),
+    (CSIG_SYNC_NS, "cuda.sync.wait_ns", SIG_CUDA),
+    (CSIG_SYNC_CALLS, "cuda.sync.count", SIG_CUDA),
+    (CSIG_GRAPH_LAUNCHES, "cuda.graph_launches", SIG_CUDA),
+    (CSIG_LAUNCHES, "cuda.launches", SIG_CUDA_LAUNCHES),
+    (CSIG_ALLOC_BYTES, "cuda.alloc.bytes", SIG_CUDA),
+    (CSIG_ALLOC_CALLS, "cuda.alloc.count", SIG_CUDA),
+    (CSIG_FREE_CALLS, "cuda.free.count", SIG_CUDA),
+    (CSIG_ERRORS, "cuda.errors", SIG_CUDA),
+)
+
+
+def _cuda_attributes(rec: HttpRecord, on: Collection[str]) -> dict[str, AttrValue]:
+    """The CUDA calls the work set made for this request alone; calls made while a thread also
+    worked for other open requests (a batching GPU worker) only under the shared prefix."""
+    own, sh = rec.cuda.own, rec.cuda.shared
+    a: dict[str, AttrValue] = {}
+    for idx, name, needs in CUDA_ATTRIBUTES:
+        if needs in on:
+            a["tracejoin." + name] = own[idx]
+    if any(sh):
+        for idx, name, needs in CUDA_ATTRIBUTES:
+            if needs in on:
+                a[SHARED + name] = sh[idx]
+    return a
+
+
+@cache
+def cuda_api_names() -> dict[int, str]:
+    """bpf/cuda.h's CUDA_APIS rows by number (the kernel names a wait's call by its row)."""
+    from tracejoin.kernel.cuda import load_apis
+    from tracejoin.kernel.probes import bpf_source_dir
+
+    return {a.api: a.symbol for a in load_apis(bpf_source_dir() / "cuda.h")}
+
+
+def _cuda_wait_spans(
+    e: EnrichedRecord, server: Span, helpers: list[Span], new_id: Callable[[int], int]
+) -> list[Span]:
+    """One INTERNAL span per long synchronisation (the kernel keeps the longest, above
+    --cuda-sync-threshold-ms): where the request's work waited on the GPU. Under the helper
+    thread's span when a helper waited, else under the server span."""
+    out = []
+    names = cuda_api_names()
+    # a helper's wait goes under that helper's span (in Jaeger and on its timeline track)
+    by_tid = {h.attributes["thread.id"]: h for h in helpers}
+    for w in e.rec.cuda.waits:
+        if not (w.dur_ns and w.start_ns):
+            continue
+        s0 = e.epoch_ns(w.start_ns)
+        parent = by_tid.get(w.tid, server)
+        child = _child(parent, new_id(64), names.get(w.api, "cuda.sync"), s0, s0 + w.dur_ns)
+        child.attributes["thread.id"] = w.tid
+        child.attributes["tracejoin.cuda.sync.wait_ns"] = w.dur_ns
+        if w.shared:  # the thread also worked for other open requests while it waited
+            child.attributes["tracejoin.work.shared"] = True
+        out.append(child)
+    return out
 
 
 def _helper_spans(
