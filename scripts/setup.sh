@@ -106,7 +106,7 @@ fi
 if [ "$MODE" = matrix ]; then
     # The guests run under QEMU (TCG: nested KVM fails on these VMs); their root image comes
     # from Debian through mmdebstrap and their disks are ext4 images made by mke2fs -d.
-    apt_install qemu-system-x86 mmdebstrap e2fsprogs apt dpkg
+    apt_install qemu-system-x86 mmdebstrap e2fsprogs python3-pip
     say "ready for the kernel matrix (tests/matrix/run.py)"
     exit 0
 fi

@@ -226,7 +226,10 @@ def make_ext4(src: Path, img: Path, label: str) -> None:
     size_mb = used * 13 // 10 // 1024 + 64
     tmp = img.with_suffix(".tmp")
     tmp.unlink(missing_ok=True)
-    sh("mke2fs", "-q", "-F", "-t", "ext4", "-L", label, "-d", src, tmp, f"{size_mb}M")
+    sh(
+        *("mke2fs", "-q", "-F", "-t", "ext4", "-L", label, "-d", src, tmp, f"{size_mb}M"),
+        stdout=subprocess.DEVNULL,
+    )
     tmp.rename(img)
 
 
@@ -251,17 +254,18 @@ def rootfs_image() -> Path:
     CACHE.mkdir(parents=True, exist_ok=True)
     say(f"building the guest root image {img.name} (first run only; a few minutes)")
     quoted = " ".join("'" + d.replace("'", "") + "'" for d in deps)
-    ca = os.environ.get("PIP_CERT") or "/etc/ssl/certs/ca-certificates.crt"
+    site = '"$1"/opt/tracejoin/lib/python3.11/site-packages'
     hooks = [
-        # the project's runtime dependencies in a venv that sees Debian's BCC binding by path
-        'chroot "$1" python3 -m venv /opt/tracejoin',
-        'ln -s /usr/lib/python3/dist-packages/bcc "$1"/opt/tracejoin/lib/python3.11/site-packages/bcc',
-        # pip inside the chroot trusts what the host's pip trusts (a proxy's CA, say)
-        f'cp {ca} "$1"/tmp/host-ca.crt',
-        'chroot "$1" env PIP_CERT=/tmp/host-ca.crt PIP_FIND_LINKS= '
-        f"/opt/tracejoin/bin/pip install -q --disable-pip-version-check {quoted}",
+        # the project's runtime dependencies in a venv that sees Debian's BCC binding by path,
+        # installed by the host's pip (its index and CA settings; guest and host are both
+        # bookworm's Python 3.11, and only wheels for it are taken)
+        'chroot "$1" python3 -m venv --without-pip /opt/tracejoin',
+        f"ln -s /usr/lib/python3/dist-packages/bcc {site}/bcc",
+        f"python3 -m pip install -q --disable-pip-version-check --break-system-packages "
+        f"--only-binary=:all: --python-version 3.11 --platform manylinux2014_x86_64 "
+        f"--target {site} {quoted}",
         f'install -m 755 {HERE / "guest-init"} "$1"/sbin/tj-matrix-init',
-        'rm -rf "$1"/tmp/host-ca.crt "$1"/root/.cache "$1"/var/cache/apt/archives/*.deb '
+        'rm -rf "$1"/root/.cache "$1"/var/cache/apt/archives/*.deb '
         '"$1"/var/lib/apt/lists/* "$1"/usr/share/doc "$1"/usr/share/man',
     ]
     with tempfile.TemporaryDirectory(dir=CACHE) as t:
