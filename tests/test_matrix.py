@@ -21,7 +21,6 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-
 from tracejoin.host.doctor import DoctorOptions, ProbeResult, Status, run_checks
 from tracejoin.kernel.features import FEATURES, FeatureResult, probe_features, probe_helper
 
@@ -45,7 +44,11 @@ def _result(supported: bool, checks: list[tuple[str, bool | None]], **kw: Any) -
         "name": "x",
         "supported": supported,
         "checks": [{"name": n, "ok": ok, "detail": "d"} for n, ok in checks],
-        "kernel": {"release": "9.9.0-1-cloud-amd64", "headers_release": "9.9", "headers_match": True},
+        "kernel": {
+            "release": "9.9.0-1-cloud-amd64",
+            "headers_release": "9.9",
+            "headers_match": True,
+        },
         **kw,
     }
 
@@ -62,7 +65,9 @@ def test_verdict_supported_kernel_must_pass_every_check() -> None:
 
 
 def test_verdict_unsupported_kernel_passes_only_when_refused_cleanly() -> None:
-    refused = _result(False, [("agent refuses with the reason", True)], doctor_summary="NOT READY: x")
+    refused = _result(
+        False, [("agent refuses with the reason", True)], doctor_summary="NOT READY: x"
+    )
     assert run.verdict(refused) == ("unsupported, refused cleanly: NOT READY: x", True)
     started = _result(False, [("agent refuses with the reason", False)])
     assert run.verdict(started)[1] is False
@@ -125,7 +130,9 @@ def _feature(name: str) -> Any:
 
 def test_doctor_reports_a_missing_helper_with_the_kernel_that_has_it() -> None:
     fake = [FeatureResult(f, True, "ok") for f in FEATURES if f.name != "task_storage"]
-    fake.append(FeatureResult(_feature("task_storage"), False, "verifier: invalid func unknown#156"))
+    fake.append(
+        FeatureResult(_feature("task_storage"), False, "verifier: invalid func unknown#156")
+    )
     report = _doctor(fake)
     (c,) = [c for c in report.checks if c.name == "bpf task_storage"]
     assert c.status is Status.UNAVAILABLE and not c.required and c.fix == "kernel >= 5.11"

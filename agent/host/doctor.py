@@ -459,6 +459,7 @@ def check_kernel_release(release: str) -> Check:
         data=data,
     )
 
+
 TRACEFS_CANDIDATES = ("sys/kernel/tracing", "sys/kernel/debug/tracing")
 
 

@@ -87,7 +87,9 @@ def probe_map(map_type: int, key: int, value: int, max_entries: int) -> tuple[bo
     return False, f"map type {map_type} refused: {errno.errorcode.get(err, err)}"
 
 
-def probe_helper(func_id: int, prog_type: int = BPF_PROG_TYPE_TRACEPOINT) -> tuple[bool | None, str]:
+def probe_helper(
+    func_id: int, prog_type: int = BPF_PROG_TYPE_TRACEPOINT
+) -> tuple[bool | None, str]:
     """r1..r5 = 0; call func_id; exit. The verifier names an unknown helper before it looks at
     the arguments, so any other refusal means the helper exists for this program type."""
     insns = (_Insn * 7)(
@@ -123,7 +125,9 @@ def probe_features() -> list[FeatureResult]:
     out = []
     for f in FEATURES:
         if f.name == "ringbuf":
-            ok, detail = probe_map(BPF_MAP_TYPE_RINGBUF, 0, 0, max(os.sysconf("SC_PAGE_SIZE"), 4096))
+            ok, detail = probe_map(
+                BPF_MAP_TYPE_RINGBUF, 0, 0, max(os.sysconf("SC_PAGE_SIZE"), 4096)
+            )
         elif f.name == "task_storage":
             ok, detail = probe_helper(BPF_FUNC_TASK_STORAGE_GET)
         else:

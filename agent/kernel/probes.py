@@ -232,12 +232,13 @@ class HttpProbes:
                 "/sys/kernel/tracing` (or mount it into the container)"
             )
         if missing:
+            too_old = set(missing) & set(MIN_KERNEL_TRACEPOINTS)
             raise ProbeError(
                 f"required tracepoint(s) missing: {', '.join(missing)}; "
                 "this kernel cannot run tracejoin (see `tracejoin doctor`)"
                 + (
-                    f"; tracejoin needs kernel >= {MIN_KERNEL_TEXT}, the first with {MIN_KERNEL_WHY}"
-                    if set(missing) & set(MIN_KERNEL_TRACEPOINTS)
+                    f"; tracejoin needs kernel >= {MIN_KERNEL_TEXT}: {MIN_KERNEL_WHY}"
+                    if too_old
                     else ""
                 )
             )

@@ -95,6 +95,8 @@ ROOTFS_PACKAGES = (
     "util-linux",
     "ca-certificates",
 )
+# mount points the guest needs (the root is mounted read-write: a QEMU snapshot)
+ROOTFS_LAYOUT = ("src", "kernel", "lib/modules", "usr/src")
 
 
 def say(msg: str) -> None:
@@ -184,7 +186,11 @@ def prepare_kernel(k: Kernel, updated: list[bool]) -> dict[str, Any]:
     shutil.rmtree(work, ignore_errors=True)
     debs = work / "debs"
     common = re.sub(r"-cloud-amd64$", "-common", hdr_release)
-    pkgs = [image] if k.headers_from else [image, f"linux-headers-{release}", f"linux-headers-{common}"]
+    pkgs = (
+        [image]
+        if k.headers_from
+        else [image, f"linux-headers-{release}", f"linux-headers-{common}"]
+    )
     say(f"{k.name}: downloading {' '.join(pkgs)}")
     download(pkgs, debs)
     stage = work / "stage"
@@ -244,9 +250,9 @@ def runtime_dependencies() -> list[str]:
 def rootfs_image() -> Path:
     """The cached root image, keyed by everything that goes into it."""
     deps = runtime_dependencies()
-    init = (HERE / "guest-init").read_bytes()
+    init = (HERE / "rootfs-init").read_bytes()
     key = hashlib.sha256(
-        json.dumps([ROOTFS_SUITE, ROOTFS_PACKAGES, deps]).encode() + init
+        json.dumps([ROOTFS_SUITE, ROOTFS_PACKAGES, deps, ROOTFS_LAYOUT]).encode() + init
     ).hexdigest()[:12]
     img = CACHE / f"rootfs-{key}.img"
     if img.is_file():
@@ -264,7 +270,8 @@ def rootfs_image() -> Path:
         f"python3 -m pip install -q --disable-pip-version-check --break-system-packages "
         f"--only-binary=:all: --python-version 3.11 --platform manylinux2014_x86_64 "
         f"--target {site} {quoted}",
-        f'install -m 755 {HERE / "guest-init"} "$1"/sbin/tj-matrix-init',
+        f'install -m 755 {HERE / "rootfs-init"} "$1"/sbin/tj-matrix-init',
+        'cd "$1" && mkdir -p ' + " ".join(ROOTFS_LAYOUT),
         'rm -rf "$1"/root/.cache "$1"/var/cache/apt/archives/*.deb '
         '"$1"/var/lib/apt/lists/* "$1"/usr/share/doc "$1"/usr/share/man',
     ]
@@ -347,7 +354,7 @@ def boot(k: Kernel, meta: dict[str, Any], root: Path, tree: Path, run: Path) -> 
         "-kernel",
         str(kdir / "vmlinuz"),
         "-append",
-        "console=ttyS0 root=/dev/nvme0n1 ro rootwait init=/sbin/tj-matrix-init panic=-1 "
+        "console=ttyS0 root=/dev/nvme0n1 rw rootwait init=/sbin/tj-matrix-init panic=-1 "
         "quiet loglevel=4 tsc=reliable mitigations=off",
         "-drive",
         f"file={root},if=none,id=root,format=raw,snapshot=on",
@@ -501,10 +508,11 @@ def main(argv: list[str] | None = None) -> int:
             res = boot(BY_NAME[n], metas[n], root, tree, args.out)
             res["name"] = n
             results.append(res)
-            v, ok = verdict(res)
-            say(f"{n}: {v} ({res['guest_wall_s']} s)")
+            say(f"{n}: {verdict(res)[0]} ({res['guest_wall_s']} s)")
     text = table(results)
-    command = "make matrix" if len(names) == len(KERNELS) else f"make matrix KERNELS={','.join(names)}"
+    command = (
+        "make matrix" if len(names) == len(KERNELS) else f"make matrix KERNELS={','.join(names)}"
+    )
     doc = {
         "generated_utc": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "command": command,

@@ -74,7 +74,8 @@ def doctor(res: Result) -> dict[str, Any]:
     try:
         doc = json.loads(p.stdout)
     except json.JSONDecodeError:
-        res.check("doctor", False, f"no JSON (rc {p.returncode}): {p.stderr[-300:]}")
+        out = (p.stdout[:200] + " | " + p.stderr[-200:]).replace("\n", " ")
+        res.check("doctor", False, f"no JSON (rc {p.returncode}): {out}")
         return {}
     res.data["doctor"] = doc
     res.data["doctor_summary"] = doc["summary"]
@@ -97,9 +98,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_getppid) {
 
 
 def features(res: Result, doc: dict[str, Any]) -> None:
-    feats = {
-        c["data"]["feature"]: c for c in doc.get("checks", []) if c["group"] == "BPF features"
-    }
+    feats = {c["data"]["feature"]: c for c in doc.get("checks", []) if c["group"] == "BPF features"}
     res.data["features"] = {
         name: c["status"] + ("" if c["status"] == "available" else f": {c['detail'].split(';')[0]}")
         for name, c in feats.items()
@@ -179,7 +178,10 @@ def attr(span: dict[str, Any], key: str) -> Any:
 def capture(res: Result, supported: bool) -> None:
     before = len(bpf_programs())
     web, late = free_port(), free_port()
-    servers = [start_server("threaded", web), start_server("slowread", late, SLEEP_MS=str(SLEEP_MS))]
+    servers = [
+        start_server("threaded", web),
+        start_server("slowread", late, SLEEP_MS=str(SLEEP_MS)),
+    ]
     out = Path("/tmp/capture")
     cmd = [*TRACEJOIN, "capture", "--port", str(web), "--port", str(late), "--output-dir", str(out)]
     agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -202,21 +204,35 @@ def capture(res: Result, supported: bool) -> None:
         if agent.poll() is not None or not any(ln.startswith(b"capturing") for ln in lines):
             agent.wait(60)
             err = agent.stderr.read().decode(errors="replace")
-            reason = next((ln for ln in err.splitlines() if "tracepoint" in ln or "rror" in ln), err[-300:])
+            reason = next(
+                (ln for ln in err.splitlines() if "tracepoint" in ln or "rror" in ln), err[-300:]
+            )
             res.data["loads"] = {"ok": False, "detail": reason.strip()}
             if supported:
                 res.check("agent starts", False, f"rc {agent.returncode}: {reason.strip()}")
             else:
                 named = "required tracepoint" in err
-                res.check("agent refuses with the reason", named and agent.returncode != 0, reason.strip())
-            res.check("no program left", len(bpf_programs()) == before, f"{len(bpf_programs())} programs, {before} before")
+                res.check(
+                    "agent refuses with the reason", named and agent.returncode != 0, reason.strip()
+                )
+            res.check(
+                "no program left",
+                len(bpf_programs()) == before,
+                f"{len(bpf_programs())} programs, {before} before",
+            )
             return
         progs = len(bpf_programs()) - before
         head = next(ln for ln in lines if ln.startswith(b"capturing")).decode()
-        load_s = float(head.split("probes ready in ")[1].split("s")[0]) if "probes ready in " in head else 0.0
+        load_s = (
+            float(head.split("probes ready in ")[1].split("s")[0])
+            if "probes ready in " in head
+            else 0.0
+        )
         res.data["loads"] = {"ok": True, "programs": progs, "seconds": load_s}
         if not supported:
-            res.check("agent refuses with the reason", False, "it started on a kernel doctor refused")
+            res.check(
+                "agent refuses with the reason", False, "it started on a kernel doctor refused"
+            )
         tp_pages, tr_pages, par_pages = new_traceparent()
         tp_tlb, tr_tlb, _ = new_traceparent()
         tp_late, tr_late, _ = new_traceparent()
@@ -250,21 +266,33 @@ def capture(res: Result, supported: bool) -> None:
         f"rc {rc}, stopped_by {info.get('stopped_by')}, http {statuses}",
     )
     after = len(bpf_programs())
-    res.check("no program left", after == before, f"{after} programs after, {before} before, {progs} while running")
+    res.check(
+        "no program left",
+        after == before,
+        f"{after} programs after, {before} before, {progs} while running",
+    )
     spans = spans_by_trace(out / "spans.otlp.jsonl")
     res.data["spans"] = len(spans)
-    sp, rattrs = spans.get(tr_pages, ({}, {}))
+    sp = spans.get(tr_pages, ({}, {}))[0]
     res.check(
         "trace id + parent",
         bool(sp) and sp.get("parentSpanId", "").lower() == par_pages,
         f"span {'found' if sp else 'missing'}, parent {sp.get('parentSpanId')} (sent {par_pages})",
     )
     faults = attr(sp, "tracejoin.mm.minor_faults") if sp else None
-    res.check("page faults", faults is not None and faults >= PAGES, f"{faults} minor faults for {PAGES} pages")
+    res.check(
+        "page faults",
+        faults is not None and faults >= PAGES,
+        f"{faults} minor faults for {PAGES} pages",
+    )
     sp_late = spans.get(tr_late, ({}, {}))[0]
     wait = attr(sp_late, "tracejoin.tcp.receive_queue_wait_ns") if sp_late else None
     if res.data["signals"].get("recvq", "on") != "on":
-        res.check("recv-queue wait", wait is None, f"recvq {res.data['signals']['recvq']}; attribute {wait}")
+        res.check(
+            "recv-queue wait",
+            wait is None,
+            f"recvq {res.data['signals']['recvq']}; attribute {wait}",
+        )
     else:
         ok = wait is not None and wait >= SLEEP_MS * 900_000
         res.check("recv-queue wait", ok, f"{wait} ns for a {SLEEP_MS} ms late read")
@@ -277,7 +305,10 @@ def capture(res: Result, supported: bool) -> None:
     elif mode == "flush_fallback":
         ok, seen = flushes is not None and flushes > 0 and dtlb is None, f"flushes {flushes}"
     else:
-        ok, seen = mode == "off" and flushes is None and dtlb is None, f"flushes {flushes}, dtlb {dtlb}"
+        ok, seen = (
+            mode == "off" and flushes is None and dtlb is None,
+            f"flushes {flushes}, dtlb {dtlb}",
+        )
     res.check("tlb by mode", ok, f"tracejoin.tlb.mode {mode}: {seen}")
 
 
