@@ -20,6 +20,7 @@ import os
 import platform
 import re
 import resource
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -786,17 +787,23 @@ def _bcc_errors(text: str) -> str:
 
 
 class _Fd2Capture:
-    """Redirect file descriptor 2 into a temp file: libbcc prints compile errors there."""
+    """Redirect file descriptors 2 and 1 into a temp file: libbcc prints compile errors on 2,
+    and "Unable to find kernel headers" on 1, which would corrupt `doctor --json` (found by the
+    kernel matrix, on a guest without headers)."""
 
     def __enter__(self) -> _Fd2Capture:
+        sys.stdout.flush()
         self._file = tempfile.TemporaryFile()
-        self._saved = os.dup(2)
+        self._saved = [os.dup(2), os.dup(1)]
         os.dup2(self._file.fileno(), 2)
+        os.dup2(self._file.fileno(), 1)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        os.dup2(self._saved, 2)
-        os.close(self._saved)
+        os.dup2(self._saved[0], 2)
+        os.dup2(self._saved[1], 1)
+        for fd in self._saved:
+            os.close(fd)
 
     def text(self) -> str:
         self._file.seek(0)

@@ -104,13 +104,16 @@ def features(res: Result, doc: dict[str, Any]) -> None:
         for name, c in feats.items()
     }
     from bcc import BPF
+    from tracejoin.host.doctor import _bcc_errors, _Fd2Capture
 
     err = None
-    try:
-        b = BPF(text=TASK_STORAGE_PROGRAM.encode())
-        b.cleanup()
-    except Exception as e:  # bcc raises bare Exception on a failed load
-        err = str(e).splitlines()[0] if str(e) else type(e).__name__
+    with _Fd2Capture() as stderr:  # libbcc says there what the kernel refused
+        try:
+            BPF(text=TASK_STORAGE_PROGRAM.encode()).cleanup()
+        except Exception as e:  # bcc raises bare Exception on a failed load
+            err = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if err is not None:
+        err = _bcc_errors(stderr.text()) or err
     res.timed("task storage trial")
     loaded = err is None
     res.data["task_storage_trial"] = "loaded" if loaded else f"failed: {err}"
