@@ -438,11 +438,10 @@ def table(results: list[dict[str, Any]]) -> str:
         meta = r.get("kernel", {})
         say_v, _ = verdict(r)
         loads = r.get("loads") or {}
-        load = (
-            f"yes, {loads['programs']} programs in {loads['seconds']:.0f} s"
-            if loads.get("ok")
-            else f"no: {loads.get('detail', '-')}"
-        )
+        if loads.get("ok"):
+            load = f"yes, {loads['programs']} programs in {loads['seconds']:.0f} s"
+        else:  # the agent's own words, to the first clause: what it refused on
+            load = "no: " + str(loads.get("detail", "-")).removeprefix("tracejoin: ").split(";")[0]
         sig = r.get("signals") or {}
         feat = r.get("features") or {}
         checks = r.get("checks", [])
