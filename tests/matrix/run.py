@@ -97,6 +97,7 @@ ROOTFS_PACKAGES = (
 )
 # mount points the guest needs (the root is mounted read-write: a QEMU snapshot)
 ROOTFS_LAYOUT = ("src", "kernel", "lib/modules", "usr/src")
+ROOTFS_REVISION = 2  # bump when rootfs_image()'s hooks change: the cached image is rebuilt
 
 
 def say(msg: str) -> None:
@@ -252,7 +253,8 @@ def rootfs_image() -> Path:
     deps = runtime_dependencies()
     init = (HERE / "rootfs-init").read_bytes()
     key = hashlib.sha256(
-        json.dumps([ROOTFS_SUITE, ROOTFS_PACKAGES, deps, ROOTFS_LAYOUT]).encode() + init
+        json.dumps([ROOTFS_REVISION, ROOTFS_SUITE, ROOTFS_PACKAGES, deps, ROOTFS_LAYOUT]).encode()
+        + init
     ).hexdigest()[:12]
     img = CACHE / f"rootfs-{key}.img"
     if img.is_file():
@@ -268,7 +270,8 @@ def rootfs_image() -> Path:
         'chroot "$1" python3 -m venv --without-pip /opt/tracejoin',
         f"ln -s /usr/lib/python3/dist-packages/bcc {site}/bcc",
         f"python3 -m pip install -q --disable-pip-version-check --break-system-packages "
-        f"--only-binary=:all: --python-version 3.11 --platform manylinux2014_x86_64 "
+        "--only-binary=:all: --python-version 3.11 --platform manylinux_2_28_x86_64 "
+        "--platform manylinux2014_x86_64 "
         f"--target {site} {quoted}",
         f'install -m 755 {HERE / "rootfs-init"} "$1"/sbin/tj-matrix-init',
         'cd "$1" && mkdir -p ' + " ".join(ROOTFS_LAYOUT),
