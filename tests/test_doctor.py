@@ -385,7 +385,7 @@ def test_json_stays_json_when_bcc_cannot_find_headers(privileged: None) -> None:
 
     if not shutil.which("unshare"):
         pytest.skip("needs unshare (util-linux) to hide /lib/modules in a mount namespace")
-    hide = "mount -t tmpfs none /lib/modules && exec \"$@\""
+    hide = 'mount -t tmpfs none /lib/modules && exec "$@"'
     cli = "from tracejoin.commands.cli import main; main()"
     p = subprocess.run(
         ["unshare", "-m", "sh", "-c", hide, "sh", sys.executable, "-c", cli, "doctor", "--json"],
