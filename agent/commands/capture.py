@@ -240,6 +240,7 @@ def _capture(
         "stopped_by": stopped_by,
         "filters": _filters(s),
         "tlb_mode": status.tlb_mode,
+        "signals": dict(status.signals),  # name -> "on" / "off: why" (the kernel matrix reads it)
         "gpu": agent.gpu_text,
     }
     with lock:

@@ -59,6 +59,14 @@ REQUIRED_TRACEPOINTS: tuple[str, ...] = (
     "tcp:tcp_destroy_sock",
 )
 
+# The oldest kernel tracejoin runs on, and why: the two sock tracepoints that hand the probes the
+# socket inside read/write arrived in 6.3. Before them no tracepoint names the socket a syscall
+# reads from; the only way is walking task->files->fdt (struct layouts, not a stable interface).
+MIN_KERNEL = (6, 3)
+MIN_KERNEL_TEXT = "6.3"
+MIN_KERNEL_TRACEPOINTS = ("sock:sock_recv_length", "sock:sock_send_length")
+MIN_KERNEL_WHY = "sock:sock_recv_length and sock:sock_send_length (added in 6.3)"
+
 
 @dataclass(frozen=True)
 class OptionalSignal:
@@ -236,9 +244,15 @@ class HttpProbes:
                 "/sys/kernel/tracing` (or mount it into the container)"
             )
         if missing:
+            too_old = set(missing) & set(MIN_KERNEL_TRACEPOINTS)
             raise ProbeError(
                 f"required tracepoint(s) missing: {', '.join(missing)}; "
                 "this kernel cannot run tracejoin (see `tracejoin doctor`)"
+                + (
+                    f"; tracejoin needs kernel >= {MIN_KERNEL_TEXT}: {MIN_KERNEL_WHY}"
+                    if too_old
+                    else ""
+                )
             )
         knobs: dict[str, int | None] = {
             "NCPU": _ncpus(),
