@@ -40,6 +40,8 @@
  *   FILTER_PID, FILTER_PORT, FILTER_COMM   filters are active (values live in maps)
  *   TLB_HW                                 hardware dTLB/iTLB counters are open
  *   RUNQ_THRESHOLD_NS                      run-queue waits at least this long are kept as intervals
+ *   WAKE_EVERY                             records per CPU between forced reader wake-ups (a
+ *                                          power of two: NCPU x WAKE_EVERY <= half the ring)
  *   NCPU                                   possible CPUs
  */
 #include <uapi/linux/ptrace.h>
@@ -52,6 +54,9 @@
 #endif
 #ifndef NCPU
 #define NCPU 64
+#endif
+#ifndef WAKE_EVERY
+#define WAKE_EVERY 1
 #endif
 
 #define AF_INET_ 2
@@ -244,6 +249,8 @@ BPF_TABLE("lru_hash", u64, struct pending_io, pending_wr, LRU_ENTRIES);
 BPF_TABLE("lru_hash", u32, struct tstat, threads, LRU_ENTRIES);
 BPF_PERCPU_ARRAY(zero_thread, struct tstat, 1);         /* never written: a zeroed template */
 BPF_PROG_ARRAY(progs, PROG_COUNT);
+BPF_ARRAY(sampling, struct sampling, 1);
+BPF_TABLE("lru_percpu_hash", struct agg_key, struct agg_val, shed, AGG_ENTRIES);
 BPF_HASH(filter_pid, u32, u8, 1024);
 BPF_HASH(filter_port, u16, u8, 1024);
 struct comm_t {

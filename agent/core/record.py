@@ -88,6 +88,7 @@ CNT_UNTRUSTED_UNSCANNED = 16
 CNT_WORKSET_FULL = 20
 CNT_WORKSET_LOST = 21
 CNT_WORKSET_REFS_FULL = 22
+CNT_SAMPLED_OUT_BUDGET = 23
 CNT_MAX = 32
 
 # CNT_FOO is exported as `kernel_foo`: index -> name, and each name's help text.
@@ -112,6 +113,7 @@ KERNEL_COUNTERS: dict[int, str] = {
     CNT_WORKSET_FULL: "workset_full",
     CNT_WORKSET_LOST: "workset_lost",
     CNT_WORKSET_REFS_FULL: "workset_refs_full",
+    CNT_SAMPLED_OUT_BUDGET: "sampled_out_budget",
 }
 KERNEL_COUNTER_HELP: dict[str, str] = {
     "records_submitted": "Records the kernel tried to emit (one per request)",
@@ -145,7 +147,36 @@ KERNEL_COUNTER_HELP: dict[str, str] = {
     "workset_full": "Wakes not followed: the request's work set already had WS_MAX threads",
     "workset_lost": "Requests whose work set was lost before their response (no work-set values)",
     "workset_refs_full": "Threads that joined more than WS_REFS open work sets at once",
+    "sampled_out_budget": "Requests the overload budget's sampling ratio kept in the kernel "
+    "(counted and aggregated per endpoint; not a loss)",
 }
+
+# the overload budget's in-kernel sampling and the per-endpoint aggregates of what it shed
+AGG_BUCKETS = 24
+AGG_ENTRIES = 1024
+AGG_SHED = 1
+
+
+class Sampling(ctypes.Structure):
+    """Mirror of struct sampling (the `sampling` array's one entry)."""
+
+    _fields_ = (("bound", ctypes.c_uint64), ("active", ctypes.c_uint32), ("_pad", ctypes.c_uint32))
+
+
+class AggKey(ctypes.Structure):
+    """Mirror of struct agg_key."""
+
+    _fields_ = (("pid", ctypes.c_uint32), ("lport", ctypes.c_uint16), ("why", ctypes.c_uint16))
+
+
+class AggVal(ctypes.Structure):
+    """Mirror of struct agg_val: requests, summed latency, log2-µs latency buckets."""
+
+    _fields_ = (
+        ("count", ctypes.c_uint64),
+        ("sum_ns", ctypes.c_uint64),
+        ("hist", ctypes.c_uint64 * AGG_BUCKETS),
+    )
 
 
 class RunqWait(ctypes.Structure):
