@@ -155,6 +155,7 @@ class Pipeline:
                 self._emit_all(self.gpu_hold.release())
             return
         self.metrics.inc("records_received", len(batch))
+        self.metrics.inc("record_batches")
         ready: list[EnrichedRecord] = []
         undecodable = failed = 0
         decode, enrich = self.decoder.decode, self.enricher.enrich
