@@ -510,7 +510,7 @@ def test_capture_summary_fits_and_report_prints_it_again(inproc: InProcessCaptur
         assert report(arg) == saved
     # GPU busy from the NVML double: 40 % on every endpoint's requests.
     rows = table_rows(saved)
-    assert {r[-1] for r in rows.values()} == {f"{GPU_KERNEL_PCT}/{GPU_KERNEL_PCT}"}, rows
+    assert {r[-1] for r in rows.values()} == {f"{GPU_KERNEL_PCT}/{GPU_KERNEL_PCT}"}, saved
     # recvq and runq are measured (numbers, not "-") for every endpoint
     assert all("/" in r[4] and "/" in r[5] for r in rows.values()), rows
 
@@ -738,6 +738,23 @@ def test_summary_fits_in_100_columns() -> None:
     assert "tlb: dTLB load misses where a PMU was available, else TLB flushes" in text
     assert "Losses: 1000000000007" in text and "{exporter=otlp,reason=export_failed}" in text
     assert " ".join(text.split()).count("a very long reason") == 10  # wrapped, not cut
+
+
+def test_summary_shows_what_the_budget_shed_apart_from_losses() -> None:
+    s = Summary(info={"duration_s": 5.0, "filters": "port 9", "tlb_mode": "off", "gpu": "off"})
+    s.counters = {
+        "kernel_sampled_out_budget": 30,
+        "sampling_ratio": 0.25,
+        "requests_sampled_out": 30,
+        "requests_sampled_out{port=8080}": 30,
+        "requests_sampled_out_seconds{port=8080}": 0.06,
+    }
+    text = s.format()
+    assert "Losses: none" in text
+    flat = " ".join(text.split())
+    assert "Sampled out by the CPU budget (not losses" in flat and "ratio at the end 0.25" in flat
+    assert "30  port 8080, mean 2.00 ms" in text
+    assert "Sampled out" not in Summary(info={"duration_s": 1.0}).format()
 
 
 def test_summary_without_requests_says_so() -> None:
