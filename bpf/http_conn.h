@@ -5,19 +5,19 @@
 
 /* ---------------------------------------------------------------- syscall entry: buffers */
 
-#define DIR_RD 0
-#define DIR_WR 1
-
 static __always_inline int remember(int dir, u32 fd, u64 ptr, u64 len, u32 kind)
 {
     u64 id = bpf_get_current_pid_tgid();
     if (!task_allowed(id >> 32))
         return 0;
-    struct pending_io p = {.ptr = ptr, .len = len, .fd = fd, .kind = kind};
-    if (dir == DIR_WR)
-        pending_wr.update(&id, &p);
-    else
-        pending_rd.update(&id, &p);
+    struct pending_io *p = pending_slot(dir, BPF_LOCAL_STORAGE_GET_F_CREATE);
+    if (p) {
+        p->ptr = ptr;
+        p->len = len;
+        p->fd = fd;
+        p->kind = kind;
+        p->live = 1;
+    }
     return 0;
 }
 
@@ -45,11 +45,9 @@ TRACEPOINT_PROBE(syscalls, sys_enter_sendfile64) { return remember(DIR_WR, args-
  * would otherwise read a stale buffer. */
 static __always_inline int forget(void *ctx, int dir)
 {
-    u64 id = bpf_get_current_pid_tgid();
-    if (dir == DIR_WR)
-        pending_wr.delete(&id);
-    else
-        pending_rd.delete(&id);
+    struct pending_io *p = pending_slot(dir, 0);
+    if (p)
+        p->live = 0;
     if (notes_waiting())        /* requests this syscall opened or ended (http_enrich.h) */
         progs.call(ctx, PROG_RUN_NOTES);
     return 0;
@@ -255,8 +253,7 @@ TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
     if (c && (c->flags & CONN_TUPLE))
         return 0;
     if (!c) {
-        u64 id = bpf_get_current_pid_tgid();
-        if (!pending_rd.lookup(&id))
+        if (!pending_get(DIR_RD))
             return 0;
         struct conn fresh = {};
         fresh.conn_id = new_conn_id();
@@ -320,8 +317,7 @@ TRACEPOINT_PROBE(sock, sock_recv_length)
 {
     if (args->ret <= 0 || !is_tcp(args->family, args->protocol) || (args->flags & MSG_PEEK_))
         return 0;
-    u64 id = bpf_get_current_pid_tgid();
-    struct pending_io *p = pending_rd.lookup(&id);
+    struct pending_io *p = pending_get(DIR_RD);
     if (!p)
         return 0;
     u64 sk = (u64)args->sk;
@@ -350,7 +346,7 @@ TRACEPOINT_PROBE(sock, sock_recv_length)
     /* this read takes the arrival; data arriving from now on is the next read's */
     s->arrival = c->arrival_ns <= s->now ? c->arrival_ns : 0;
     c->arrival_ns = 0;
-    pending_rd.delete(&id);
+    p->live = 0;
     progs.call(args, PROG_SCAN_REQ);
     return 0;
 }
@@ -370,8 +366,7 @@ TRACEPOINT_PROBE(sock, sock_send_length)
             untrust(c, CNT_UNTRUSTED_RESPONSE_WITHOUT_REQUEST);
         return 0;
     }
-    u64 id = bpf_get_current_pid_tgid();
-    struct pending_io *p = pending_wr.lookup(&id);
+    struct pending_io *p = pending_get(DIR_WR);
     struct pending_io none = {};
     if (!p)
         p = &none;
@@ -384,7 +379,7 @@ TRACEPOINT_PROBE(sock, sock_send_length)
 #endif
     /* sendfile calls sock_sendmsg once per chunk: only the first event may use a buffer */
     if (p->kind != IO_NONE)
-        pending_wr.delete(&id);
+        p->live = 0;
     progs.call(args, PROG_SCAN_RESP);
     return 0;
 }
