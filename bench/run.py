@@ -221,8 +221,15 @@ class Bench:
             rec["other_cpu"] = round(m.other_cpu_seconds(procs0, procs1, mine) / wall, 3)
             rec["cpu_busy"] = m.busy_fraction(j0, j1)
             if sc.kind == "rate":
-                # an open loop that could not send on time measured a queue, not the server
-                rec["generator_behind"] = rec["load"]["send_lag_us"]["p50"] > 1000
+                # an open loop that could not send on time measured a queue, not the server;
+                # and one whose requests were not all answered inside the window measured a
+                # server (or CPU) that fell behind: both are flagged `!`
+                ld = rec["load"]
+                rec["generator_behind"] = (
+                    ld["send_lag_us"]["p50"] > 1000
+                    or ld.get("incomplete", 0) > 0
+                    or ld.get("completed_in_window", ld["scheduled"]) < 0.99 * ld["scheduled"]
+                )
             if sc.kind != "syscall":
                 done = rec["load"]["requests_total"]
                 rec["server_cpu_us_per_req"] = (s_cpu1 - s_cpu0) * 1e6 / max(1, done)
@@ -635,8 +642,9 @@ def format_report(res: dict[str, Any]) -> str:
     )
     if any(o.get("phases_generator_behind") for o in res["overhead"].values()):
         L.append(
-            "   ! in some phases the open-loop generator sent late (median lag > 1 ms): the "
-            "server (or CPU0) could not keep up, so its latency is a queue's"
+            "   ! in some phases the open-loop generator sent late (median lag > 1 ms) or not "
+            "every request due in the window was answered inside it: the server (or CPU0) could "
+            "not keep up, so its latency is a queue's and its req/s counts only in-window answers"
         )
     sy = res["overhead"]["syscalls"]
     L.append(f"   unrelated process (ns per call, off → on, Δ [min..max]){_noise_note(sy)}:")
