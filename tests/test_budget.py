@@ -79,3 +79,45 @@ def test_ratio_one_switches_the_kernel_check_off():
 def test_cpu_budget_option_has_a_documented_default():
     assert Settings().cpu_budget == 0.5
     assert Settings().recvq_threshold_ms == 1.0
+
+
+def test_doctor_shows_a_running_agents_ratio():
+    """`tracejoin doctor` reads the ratio from the agent's own /metrics (real Metrics text)."""
+    import http.server
+    import threading
+
+    from tracejoin.core.metrics import Metrics
+    from tracejoin.host.doctor import running_agent, running_agent_text
+
+    m = Metrics()
+    m.set("sampling_ratio", 0.25)
+    m.set("agent_cpu_share", 0.61)
+    m.set("kernel_sampled_out_budget", 1234)
+    body = m.prometheus_text().encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_a: object) -> None:
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        port = srv.server_address[1]
+        state = running_agent(port)
+        assert state == {
+            "sampling_ratio": 0.25,
+            "agent_cpu_share": 0.61,
+            "kernel_sampled_out_budget_total": 1234.0,
+        }
+        text = running_agent_text(port, state)
+        assert "sampling ratio 0.25" in text and "1234 requests sampled out" in text
+    finally:
+        srv.shutdown()
+    assert running_agent(port) is None
+    assert "none answering" in running_agent_text(port, None)

@@ -390,7 +390,6 @@ class Summary:
                         out.append(f"  {int(c[k]):>8}    {k[len('spans_dropped') :]}")
         return out
 
-
     def _budget(self) -> list[str]:
         """What the CPU budget sampled out in the kernel: never a loss, so apart from them."""
         c = self.counters
