@@ -287,10 +287,11 @@ def inproc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessCaptur
     with server("threaded", port) as srv:
         dev = FakeDevice(0)
         dev.compute_procs = {srv.pid: 512 * 1024 * 1024}
-        # NVML's own timestamped samples, 50 ms apart, over the next 30 s: every request's
-        # window overlaps some, whenever the span is built.
+        # NVML's own timestamped samples, 50 ms apart, over the next 5 minutes: every request's
+        # window overlaps some, whenever the span is built (compiling the probes alone took
+        # 30-54 s on a loaded 2-CPU VM).
         now_us = time.time_ns() // 1000
-        stamps = range(now_us - 1_000_000, now_us + 30_000_000, 50_000)
+        stamps = range(now_us - 1_000_000, now_us + 300_000_000, 50_000)
         dev.push_util_samples(GPU, [(t, GPU_KERNEL_PCT) for t in stamps])
         dev.push_util_samples(MEMORY, [(t, GPU_MEM_PCT) for t in stamps])
         sampler = GpuSampler(nvml=FakeNvml([dev]), interval_s=0.1, visible_devices="all")
