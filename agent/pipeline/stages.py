@@ -281,6 +281,12 @@ class Pipeline:
         flush_in_parallel(self.destinations, deadline)
 
 
+# A destination whose export hangs waits for it until the deadline, then counts what it abandons
+# (spans_dropped{reason="shutdown"}): wait that much past the deadline for the count, or the
+# final counters are read before it (the run's hard-exit grace, 1 s, covers it).
+COUNT_GRACE_S = 0.25
+
+
 def flush_in_parallel(destinations: Sequence[Destination], deadline: float) -> None:
     """Shut destinations down in parallel under one deadline: a hung one cannot starve another."""
     stoppers = [
@@ -292,4 +298,4 @@ def flush_in_parallel(destinations: Sequence[Destination], deadline: float) -> N
     for t in stoppers:
         t.start()
     for t in stoppers:
-        t.join(max(0.1, deadline - time.monotonic()))
+        t.join(max(0.1, deadline - time.monotonic()) + COUNT_GRACE_S)
