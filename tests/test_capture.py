@@ -287,11 +287,11 @@ def inproc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessCaptur
     with server("threaded", port) as srv:
         dev = FakeDevice(0)
         dev.compute_procs = {srv.pid: 512 * 1024 * 1024}
-        # NVML's own timestamped samples, 50 ms apart, over the next 5 minutes: every request's
+        # NVML's own timestamped samples, 100 ms apart, over the next 100 s: every request's
         # window overlaps some, whenever the span is built (compiling the probes alone took
-        # 30-54 s on a loaded 2-CPU VM).
+        # 30-54 s on a loaded 2-CPU VM), and all of them fit in the sampler's history (1024).
         now_us = time.time_ns() // 1000
-        stamps = range(now_us - 1_000_000, now_us + 300_000_000, 50_000)
+        stamps = range(now_us - 900_000, now_us + 100_000_000, 100_000)
         dev.push_util_samples(GPU, [(t, GPU_KERNEL_PCT) for t in stamps])
         dev.push_util_samples(MEMORY, [(t, GPU_MEM_PCT) for t in stamps])
         sampler = GpuSampler(nvml=FakeNvml([dev]), interval_s=0.1, visible_devices="all")
@@ -511,7 +511,7 @@ def test_capture_summary_fits_and_report_prints_it_again(inproc: InProcessCaptur
         assert report(arg) == saved
     # GPU busy from the NVML double: 40 % on every endpoint's requests.
     rows = table_rows(saved)
-    assert {r[-1] for r in rows.values()} == {f"{GPU_KERNEL_PCT}/{GPU_KERNEL_PCT}"}, saved
+    assert {r[-1] for r in rows.values()} == {f"{GPU_KERNEL_PCT}/{GPU_KERNEL_PCT}"}, rows
     # recvq and runq are measured (numbers, not "-") for every endpoint
     assert all("/" in r[4] and "/" in r[5] for r in rows.values()), rows
 
