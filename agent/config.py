@@ -183,6 +183,21 @@ class Settings:
         "Run-queue waits at least this long become child spans.",
         ENV + "RUNQ_THRESHOLD_MS",
     )
+    recvq_threshold_ms: float = option(
+        1.0,
+        click.FloatRange(0.0, 10_000),
+        "A TCP receive-queue wait at least this long also becomes a child span (the wait is "
+        "always an attribute of the server span).",
+        ENV + "RECVQ_THRESHOLD_MS",
+    )
+    cpu_budget: float = option(
+        0.5,
+        click.FloatRange(0.0, 64.0),
+        "Share of one CPU the agent may use; above it, it samples requests out in the kernel "
+        "by trace id (as TraceIdRatioBased: agents keep the same traces), counted apart from "
+        "losses. 0: never.",
+        ENV + "CPU_BUDGET",
+    )
     tlb: str = option(
         "auto",
         click.Choice(["auto", "hardware", "flush"]),

@@ -192,6 +192,31 @@ struct http_record {
  * WSF_CUDA: then all of it is). */
 #define REC_HTTP_FIXED_SIZE __builtin_offsetof(struct http_record, members)
 
+/* The overload budget's in-kernel sampling (agent/pipeline/budget.py writes `sampling`[0]). A
+ * request is kept when its trace id's low 8 bytes, read big-endian, are below `bound`: the rule
+ * of OpenTelemetry's TraceIdRatioBased sampler, so agents on every node keep the same traces. */
+struct sampling {
+    __u64 bound;           /* ratio x 2^64 */
+    __u32 active;          /* 0: keep every request (ratio 1: nothing is decoded) */
+    __u32 _pad;
+};
+
+/* What the kernel keeps of a request it did not send (the budget shed it): counts and latency
+ * (start -> end, as the span would have had), per endpoint. */
+#define AGG_BUCKETS 24        /* log2 latency buckets: [2^i, 2^(i+1)) µs; the last is open */
+#define AGG_ENTRIES 1024      /* endpoints kept (LRU) */
+#define AGG_SHED 1            /* agg_key.why: sampled out by the budget */
+struct agg_key {
+    __u32 pid;             /* process that read the request */
+    __u16 lport;           /* server port (0: the tuple was not known) */
+    __u16 why;             /* AGG_* */
+};
+struct agg_val {
+    __u64 count;
+    __u64 sum_ns;
+    __u64 hist[AGG_BUCKETS];
+};
+
 /* Per-CPU counters in the `counters` array map, by index. User space exports CNT_FOO as
  * `kernel_foo` (the name is the macro's suffix, lowercased; tests/test_decode.py checks it). */
 #define CNT_RECORDS_SUBMITTED    0 /* records the kernel tried to emit */
@@ -216,6 +241,8 @@ struct http_record {
 #define CNT_WORKSET_FULL        20 /* wakes refused: the work set already had WS_MAX threads */
 #define CNT_WORKSET_LOST        21 /* work sets evicted (or never created) before the response */
 #define CNT_WORKSET_REFS_FULL   22 /* threads in more than WS_REFS open work sets at once */
+#define CNT_SAMPLED_OUT_BUDGET  23 /* requests the overload budget's ratio kept in the kernel
+                                    * (aggregated in `shed`; not records, never a loss) */
 #define CNT_CUDA_UNATTRIBUTED   46 /* probed CUDA calls by a thread in no open work set */
 #define CNT_CUDA_NESTED         47 /* probed calls beneath another (runtime over driver): not
                                     * counted again */

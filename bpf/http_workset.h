@@ -638,9 +638,9 @@ static __always_inline int ws_may_join(struct tstat *t, u64 id, u32 flags, u32 w
 {
     if ((flags & PF_KTHREAD_) || wakee_pid == AGENT_TGID)
         return 0;
-    struct pending_io *io = pending_wr.lookup(&id);
+    struct pending_io *io = pending_get(DIR_WR);
     if (!io)
-        io = pending_rd.lookup(&id);
+        io = pending_get(DIR_RD);
     if (!io)
         return 1;
     u32 fd = io->fd, pid = id >> 32;

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from tracejoin.app import build_agent, capture_destinations
+from tracejoin.app import build_agent, capture_destinations, settle_gc
 from tracejoin.commands.signals import Stop, stop_on_signals
 from tracejoin.commands.summary import (
     CAPTURE_FILE,
@@ -174,6 +174,7 @@ def _capture(
         agent.shutdown(1.0)
         perfetto.abandon()
         return 2
+    settle_gc()
     status = agent.status
     gpu = agent.gpu
     notes = [f"{name} {state}" for name, state in status.signals.items() if state != "on"]

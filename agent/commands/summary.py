@@ -383,6 +383,7 @@ class Summary:
             lines.extend(self._examples())
         lines.append("")
         lines.extend(self._losses())
+        lines.extend(self._budget())
         return "\n".join(_fit(terminal_safe(line)) for line in lines)
 
     def _header(self) -> list[str]:
@@ -531,6 +532,28 @@ class Summary:
                 for k in sorted(c):
                     if k.startswith("spans_dropped{") and c[k]:
                         out.append(f"  {int(c[k]):>8}    {k[len('spans_dropped') :]}")
+        return out
+
+    def _budget(self) -> list[str]:
+        """What the CPU budget sampled out in the kernel: never a loss, so apart from them."""
+        c = self.counters
+        shed = int(c.get("kernel_sampled_out_budget", 0))
+        ratio = c.get("sampling_ratio", 1.0)
+        if not shed and ratio >= 1.0:
+            return []
+        out = [
+            "",
+            *_wrap(
+                f"Sampled out by the CPU budget (not losses; the same trace ids on every "
+                f"agent): {shed}; sampling ratio at the end {ratio:.4g}"
+            ),
+        ]
+        for k in sorted(c):
+            if k.startswith("requests_sampled_out{port=") and c[k]:
+                port = k[len("requests_sampled_out{port=") : -1]
+                secs = c.get(f"requests_sampled_out_seconds{{port={port}}}", 0.0)
+                mean = f", mean {secs / c[k] * 1000:.2f} ms" if c[k] else ""
+                out.append(f"  {int(c[k]):>8}  port {port}{mean}")
         return out
 
 

@@ -133,6 +133,31 @@ METRICS: tuple[Metric, ...] = (
         values={"reason": ("undecodable", "build_error")},
     ),
     counter("reader_errors", "Ring-buffer polls that raised (the reader goes on)."),
+    counter(
+        "record_batches",
+        "Ring-buffer reads that returned records (records_received / record_batches: records "
+        "per reader wake-up).",
+    ),
+    # the overload budget (--cpu-budget)
+    gauge(
+        "sampling_ratio",
+        "The overload budget's in-kernel sampling ratio, by trace id as TraceIdRatioBased "
+        "(1: every request is sent).",
+    ),
+    gauge("agent_cpu_share", "The agent's CPU over the last second, as a share of one CPU."),
+    counter(
+        "requests_sampled_out",
+        "Requests the overload budget kept in the kernel, by server port (not a loss: "
+        "counted and timed there; kernel_sampled_out_budget is their total).",
+        "port",
+        copied=True,
+    ),
+    counter(
+        "requests_sampled_out_seconds",
+        "Summed latency (first byte queued to last byte written) of requests_sampled_out.",
+        "port",
+        copied=True,
+    ),
     # enrich -> spans
     counter(
         "traceparent_rejected",

@@ -106,6 +106,7 @@ CNT_UNTRUSTED_UNSCANNED = 16
 CNT_WORKSET_FULL = 20
 CNT_WORKSET_LOST = 21
 CNT_WORKSET_REFS_FULL = 22
+CNT_SAMPLED_OUT_BUDGET = 23
 CNT_CUDA_UNATTRIBUTED = 46
 CNT_CUDA_NESTED = 47
 CNT_CUDA_ACC_LOST = 48
@@ -133,6 +134,7 @@ KERNEL_COUNTERS: dict[int, str] = {
     CNT_WORKSET_FULL: "workset_full",
     CNT_WORKSET_LOST: "workset_lost",
     CNT_WORKSET_REFS_FULL: "workset_refs_full",
+    CNT_SAMPLED_OUT_BUDGET: "sampled_out_budget",
     CNT_CUDA_UNATTRIBUTED: "cuda_unattributed",
     CNT_CUDA_NESTED: "cuda_nested",
     CNT_CUDA_ACC_LOST: "cuda_acc_lost",
@@ -169,12 +171,41 @@ KERNEL_COUNTER_HELP: dict[str, str] = {
     "workset_full": "Wakes not followed: the request's work set already had WS_MAX threads",
     "workset_lost": "Requests whose work set was lost before their response (no work-set values)",
     "workset_refs_full": "Threads that joined more than WS_REFS open work sets at once",
+    "sampled_out_budget": "Requests the overload budget's sampling ratio kept in the kernel "
+    "(counted and aggregated per endpoint; not a loss)",
     "cuda_unattributed": "Probed CUDA calls by a thread in no open request's work set "
     "(work outside requests, or a worker that polls: no thread link)",
     "cuda_nested": "Probed CUDA calls made beneath another probed call (a runtime call's "
     "driver call): counted once, by the outer call",
     "cuda_acc_lost": "CUDA calls not added to a request: its CUDA sums could not be created",
 }
+
+# the overload budget's in-kernel sampling and the per-endpoint aggregates of what it shed
+AGG_BUCKETS = 24
+AGG_ENTRIES = 1024
+AGG_SHED = 1
+
+
+class Sampling(ctypes.Structure):
+    """Mirror of struct sampling (the `sampling` array's one entry)."""
+
+    _fields_ = (("bound", ctypes.c_uint64), ("active", ctypes.c_uint32), ("_pad", ctypes.c_uint32))
+
+
+class AggKey(ctypes.Structure):
+    """Mirror of struct agg_key."""
+
+    _fields_ = (("pid", ctypes.c_uint32), ("lport", ctypes.c_uint16), ("why", ctypes.c_uint16))
+
+
+class AggVal(ctypes.Structure):
+    """Mirror of struct agg_val: requests, summed latency, log2-µs latency buckets."""
+
+    _fields_ = (
+        ("count", ctypes.c_uint64),
+        ("sum_ns", ctypes.c_uint64),
+        ("hist", ctypes.c_uint64 * AGG_BUCKETS),
+    )
 
 
 class RunqWait(ctypes.Structure):

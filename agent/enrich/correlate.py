@@ -102,7 +102,23 @@ class Endpoints:
     peer_port: int
 
 
+_ADDR_CACHE_MAX = 4096
+_addr_cache: dict[tuple[int, bytes], str] = {}
+
+
 def _addr(family: int, raw: bytes) -> str:
+    """The address as text; cached, since a host's peers repeat (two ipaddress objects per
+    record cost ~2 µs, most of the tuple's share of a span)."""
+    key = (family, raw)
+    text = _addr_cache.get(key)
+    if text is None:
+        if len(_addr_cache) >= _ADDR_CACHE_MAX:
+            _addr_cache.clear()
+        text = _addr_cache[key] = _addr_text(family, raw)
+    return text
+
+
+def _addr_text(family: int, raw: bytes) -> str:
     if family == socket.AF_INET:
         return str(ipaddress.IPv4Address(raw[:4]))
     addr = ipaddress.IPv6Address(raw[:16])

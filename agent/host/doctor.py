@@ -152,6 +152,40 @@ class DoctorOptions:
     bpf_features: Callable[[], list[FeatureResult]] | None = None  # default: probe_features
 
 
+# --- a running agent --------------------------------------------------------------------------
+
+_GAUGE = re.compile(
+    r"^tracejoin_(sampling_ratio|agent_cpu_share|kernel_sampled_out_budget_total) (\S+)$", re.M
+)
+
+
+def running_agent(
+    port: int, host: str = "127.0.0.1", timeout_s: float = 0.5
+) -> dict[str, float] | None:
+    """The overload budget's state of the agent serving /metrics on host:port (in the agent's
+    pod, `kubectl exec ... tracejoin doctor` reaches it there): its sampling ratio, its CPU share
+    and what it shed. None when no agent answers."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout_s) as r:
+            text = r.read(1 << 20).decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return None
+    found = {name: float(value) for name, value in _GAUGE.findall(text)}
+    return found if "sampling_ratio" in found else None
+
+
+def running_agent_text(port: int, state: dict[str, float] | None) -> str:
+    if state is None:
+        return f"Running agent: none answering on 127.0.0.1:{port} (its sampling ratio shows here)"
+    return (
+        f"Running agent (127.0.0.1:{port}): sampling ratio {state['sampling_ratio']:.4g} "
+        f"(CPU budget), agent at {state.get('agent_cpu_share', 0.0):.2f} of a CPU, "
+        f"{int(state.get('kernel_sampled_out_budget_total', 0))} requests sampled out"
+    )
+
+
 # --- the report ----------------------------------------------------------------------------
 
 

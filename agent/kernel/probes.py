@@ -19,13 +19,16 @@ from typing import Any
 
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.record import (
+    AGG_SHED,
     CNT_MAX,
     KERNEL_COUNTERS,
     PROG_RUN_NOTES,
     PROG_SCAN_REQ,
     PROG_SCAN_RESP,
+    RINGBUF_PAGES,
     WS_SLOTS,
     HttpRecord,
+    Sampling,
     WsMember,
 )
 from tracejoin.kernel.btf import BtfError, member_offsets
@@ -135,6 +138,7 @@ KNOBS = frozenset(
         "TLB_HW",
         "NCPU",
         "RUNQ_THRESHOLD_NS",
+        "WAKE_EVERY",
         "TASK_FLAGS_OFF",
         "TASK_PID_OFF",
         "TASK_TGID_OFF",
@@ -257,6 +261,7 @@ class HttpProbes:
         knobs: dict[str, int | None] = {
             "NCPU": _ncpus(),
             "RUNQ_THRESHOLD_NS": int(cfg.runq_threshold_ns),
+            "WAKE_EVERY": wake_every(_ncpus()),
         }
         for sig in OPTIONAL_SIGNALS:
             absent = [
@@ -405,14 +410,18 @@ class HttpProbes:
         self._batch.append(ctypes.string_at(data, size))
 
     def poll(self, timeout_ms: int = 100) -> list[bytes]:
-        """Wait up to timeout_ms for records (0: take what is there) and return them all."""
+        """Wait up to timeout_ms (0: not at all), then return every record the ring holds.
+
+        The kernel submits records without waking the reader (bpf/http_conn.h emit()), except
+        when enough have gathered to fill half the ring: so this sleeps the whole timeout in
+        the common case, wakes early in a burst, and takes a batch either way. epoll returning
+        on its timeout consumes nothing, hence the consume after it."""
         if self._bpf is None:
             return []
         bpf: Any = self._bpf
         if timeout_ms:
             bpf.ring_buffer_poll(timeout_ms)
-        else:
-            bpf.ring_buffer_consume()
+        bpf.ring_buffer_consume()
         batch, self._batch = self._batch, []
         if self.cuda is not None:
             try:  # finding libraries never costs a record
@@ -422,6 +431,29 @@ class HttpProbes:
                 self.metrics.inc("cuda_rescan_errors")
                 log.exception("CUDA library rescan failed (the records are kept)")
         return batch
+
+    def set_sampling(self, ratio: float) -> None:
+        """Keep a request's record when its trace id's low 8 bytes (big-endian) are below
+        ratio x 2^64, as OpenTelemetry's TraceIdRatioBased decides; 1: keep everything."""
+        if self._bpf is None:
+            return
+        table = self._bpf[b"sampling"]  # type: ignore[index]
+        table[ctypes.c_int(0)] = sampling_entry(ratio)
+
+    def shed(self) -> dict[tuple[int, int], tuple[int, int, list[int]]]:
+        """What the budget shed, per endpoint (pid, port): requests, summed latency in ns,
+        and log2-µs latency buckets (bpf/http_record.h struct agg_val), summed over CPUs."""
+        if self._bpf is None:
+            return {}
+        out: dict[tuple[int, int], tuple[int, int, list[int]]] = {}
+        for key, per_cpu in self._bpf[b"shed"].items():  # type: ignore[index]
+            if key.why != AGG_SHED:
+                continue
+            count = sum(v.count for v in per_cpu)
+            total = sum(v.sum_ns for v in per_cpu)
+            hist = [sum(v.hist[i] for v in per_cpu) for i in range(len(per_cpu[0].hist))]
+            out[(key.pid, key.lport)] = (count, total, hist)
+        return out
 
     def detach(self) -> None:
         """Detach every tracepoint and perf event; the ring buffer keeps what was submitted."""
@@ -500,6 +532,23 @@ def _workset_knobs(knobs: dict[str, int | None], disabled: frozenset[str]) -> st
     if all(tracepoint_exists(tp, disabled) for tp in IRQ_VECTOR_TRACEPOINTS):
         knobs["WITH_IRQ_VECTORS"] = None
     return None
+
+
+def wake_every(ncpus: int) -> int:
+    """Records per CPU between forced reader wake-ups: the largest power of two with which all
+    CPUs together cannot fill more than half the ring with records no one was woken for."""
+    per_cpu = RINGBUF_PAGES * 4096 // (ctypes.sizeof(HttpRecord) + 8) // 2 // max(1, ncpus)
+    return 1 << max(0, per_cpu.bit_length() - 1) if per_cpu else 1
+
+
+def sampling_entry(ratio: float) -> Sampling:
+    """The kernel's sampling entry for a ratio: the bound is OpenTelemetry's
+    TraceIdRatioBased.get_bound_for_rate (round(ratio x 2^64)); ratio 1 switches it off."""
+    ratio = min(1.0, max(0.0, ratio))
+    bound = round(ratio * (1 << 64))
+    if bound >= 1 << 64:
+        return Sampling(bound=0, active=0)
+    return Sampling(bound=bound, active=1)
 
 
 def pmu_tlb_available() -> bool:

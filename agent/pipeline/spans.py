@@ -105,13 +105,20 @@ class SpanOptions:
     signals: frozenset[str]  # the signals whose probes are loaded
     tlb_mode: str = "off"  # "hardware", "flush_fallback" or "off"
     runq_child_threshold_ns: int = 1_000_000
+    # A receive-queue wait becomes a child span only from this long: a child belongs in the trace
+    # when it explains something; the wait itself is always an attribute of the server span.
+    recvq_child_threshold_ns: int = 0
 
     @classmethod
     def from_status(
-        cls, signals: dict[str, str], tlb_mode: str, runq_child_threshold_ns: int
+        cls,
+        signals: dict[str, str],
+        tlb_mode: str,
+        runq_child_threshold_ns: int,
+        recvq_child_threshold_ns: int = 0,
     ) -> SpanOptions:
         live = frozenset(name for name, state in signals.items() if state == "on")
-        return cls(live, tlb_mode, runq_child_threshold_ns)
+        return cls(live, tlb_mode, runq_child_threshold_ns, recvq_child_threshold_ns)
 
 
 def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], int]) -> list[Span]:
@@ -211,7 +218,7 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
         trace_flags=e.trace_flags,
     )
     spans = [server]
-    if queued:
+    if queued and rec.read_ns - rec.arrival_ns >= opts.recvq_child_threshold_ns:
         spans.append(
             _child(
                 server,
