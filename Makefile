@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 # Targets that need root: they install packages, mount tracefs and load BPF.
-ROOT_TARGETS := capture test bench ebpf setup setup-capture
+ROOT_TARGETS := capture test bench ebpf setup setup-capture matrix setup-matrix
 
 .PHONY: $(ROOT_TARGETS) setup-dev unit lint clean image image-lock requirements-lock seccomp-profile
 
@@ -13,7 +13,7 @@ ifneq ($(shell id -u),0)
 $(ROOT_TARGETS):
 	@if command -v sudo >/dev/null 2>&1; then \
 	    echo "make $@: not root; re-running it through sudo" >&2; \
-	    exec sudo $(MAKE) $@ VENV='$(VENV)' PYTEST_ARGS='$(PYTEST_ARGS)'; \
+	    exec sudo $(MAKE) $@ VENV='$(VENV)' PYTEST_ARGS='$(PYTEST_ARGS)' KERNELS='$(KERNELS)'; \
 	fi; \
 	echo "make $@ needs root (packages, tracefs, BPF) and there is no sudo: run it from a root shell (su -)" >&2; \
 	exit 1
@@ -30,6 +30,16 @@ test: setup
 
 bench: setup
 	$(PY) -m bench.run
+
+## The kernel matrix: boot each guest kernel under QEMU, run the smoke suite inside, print the
+## table (out/matrix/matrix.md, .json) and write it into docs/operations.md. KERNELS=5.10,6.18
+## picks some (default: all of tests/matrix/run.py's KERNELS).
+KERNELS ?=
+matrix: setup-matrix
+	python3 tests/matrix/run.py $(if $(KERNELS),--kernels $(KERNELS),--docs docs/operations.md)
+
+setup-matrix:
+	./scripts/setup.sh matrix
 
 ## Print the BPF C exactly as it is compiled (after -D substitution), for review.
 ebpf: setup-capture

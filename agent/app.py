@@ -10,6 +10,7 @@ probes, drain what the kernel already queued, flush, close). `tracejoin capture`
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -23,9 +24,15 @@ from tracejoin.config import ConfigError, Settings
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import AttrValue
 from tracejoin.enrich.enricher import Enricher
+from tracejoin.enrich.inspector import ProcessInspector
 from tracejoin.enrich.k8s import KubeletClient, expand_node_name
-from tracejoin.enrich.resources import ResourceResolver, env_resource_attributes
+from tracejoin.enrich.resources import (
+    ResourceResolver,
+    env_resource_attributes,
+    parse_instrumented_services,
+)
 from tracejoin.kernel.probes import OPTIONAL_TRACEPOINTS, HttpProbes, ProbeConfig, ProbeStatus
+from tracejoin.pipeline.budget import BudgetController
 from tracejoin.pipeline.spans import SpanOptions
 from tracejoin.pipeline.stages import (
     Destination,
@@ -58,6 +65,9 @@ def probe_config(s: Settings) -> ProbeConfig:
         runq_threshold_ns=int(s.runq_threshold_ms * 1e6),
         disabled_tracepoints=frozenset(s.disable_tracepoint),
         tlb_hardware={"auto": None, "hardware": True, "flush": False}[s.tlb],
+        cuda=s.cuda,
+        cuda_launches=s.cuda_launches,
+        cuda_sync_threshold_ns=int(s.cuda_sync_threshold_ms * 1e6),
     )
 
 
@@ -201,6 +211,7 @@ class Agent:
         self._lock = threading.Lock()
         self._stopped = False
         self._self = psutil.Process()
+        self.budget = BudgetController(s.cpu_budget)
 
     @property
     def status(self) -> ProbeStatus:
@@ -220,12 +231,15 @@ class Agent:
             self.resources.start()
             enricher = Enricher(
                 self.metrics,
-                self.resources.resource,
+                self.resources.served,
                 no_parent=s.no_parent,
                 unsampled=s.unsampled,
             )
             options = SpanOptions.from_status(
-                status.signals, status.tlb_mode, int(s.runq_threshold_ms * 1e6)
+                status.signals,
+                status.tlb_mode,
+                int(s.runq_threshold_ms * 1e6),
+                int(s.recvq_threshold_ms * 1e6),
             )
             gpu_hold = (
                 GpuHold(self.gpu, self.metrics, hold_s=3.0 / s.gpu_sample_hz)
@@ -253,10 +267,40 @@ class Agent:
         agent's own CPU time and resident memory (psutil), so /metrics and the capture's
         counters show what the agent itself costs."""
         usage = self._self.cpu_times()
-        self.metrics.set("process_cpu_seconds", usage.user + usage.system)
+        cpu_s = usage.user + usage.system
+        self.metrics.set("process_cpu_seconds", cpu_s)
         self.metrics.set("process_resident_memory_bytes", self._self.memory_info().rss)
         if self.pipeline is not None:
-            self.pipeline.kernel_counters()
+            counters = self.pipeline.kernel_counters()
+            self._apply_budget(cpu_s, counters.get("ringbuf_full", 0))
+
+    def _apply_budget(self, cpu_s: float, ringbuf_full: int) -> None:
+        """One step of the overload budget: the ratio for the kernel, and what it shed."""
+        before = self.budget.ratio
+        ratio = self.budget.update(time.monotonic(), cpu_s, ringbuf_full)
+        set_sampling = getattr(self.source, "set_sampling", None)
+        if ratio != before and set_sampling is not None:
+            set_sampling(ratio)
+            log.info(
+                "cpu budget %.2f: agent at %.2f of a CPU; sampling ratio %.4g -> %.4g",
+                self.budget.budget,
+                self.budget.share,
+                before,
+                ratio,
+            )
+        self.metrics.set("sampling_ratio", ratio)
+        self.metrics.set("agent_cpu_share", round(self.budget.share, 4))
+        shed = getattr(self.source, "shed", None)
+        if shed is None:
+            return
+        by_port: dict[int, list[float]] = {}
+        for (_pid, port), (count, sum_ns, _hist) in shed().items():
+            acc = by_port.setdefault(port, [0, 0.0])
+            acc[0] += count
+            acc[1] += sum_ns / 1e9
+        for port, (count, seconds) in by_port.items():
+            self.metrics.set("requests_sampled_out", count, port=str(port))
+            self.metrics.set("requests_sampled_out_seconds", seconds, port=str(port))
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Source-first under one deadline: detach, drain, flush, close. Idempotent."""
@@ -281,6 +325,16 @@ class Agent:
             self.resources.shutdown(max(0.1, deadline - time.monotonic()))
 
 
+def settle_gc() -> None:
+    """After start-up: move everything start-up made (modules, BCC's tables, caches) out of the
+    collector's sight, and collect the young generation every 50k allocations instead of 700.
+    Each record allocates several short-lived objects that reference counting frees; with the
+    default threshold the collector ran every few records and re-walked start-up's objects."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
+
+
 def build_agent(
     s: Settings,
     metrics: Metrics,
@@ -296,6 +350,10 @@ def build_agent(
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     kubelet = kubelet_client(s)
+    try:
+        instrumented_services = parse_instrumented_services(s.instrumented_services)
+    except ValueError as exc:
+        raise ConfigError(f"--instrumented-services: {exc}") from exc
 
     def make_resources(static: dict[str, AttrValue]) -> ResourceResolver:
         # built once the probes say what the static attributes are (the TLB mode)
@@ -305,6 +363,14 @@ def build_agent(
             static=static,
             kubelet=kubelet,
             node_name=s.node_name,
+            inspector=ProcessInspector(
+                metrics,
+                read_environ=s.read_environ,
+                check_otlp=s.instrumented == "auto",
+                otlp_ports=s.otlp_ports,
+            ),
+            instrumented=s.instrumented,
+            instrumented_services=instrumented_services,
         )
 
     if source is None:

@@ -116,6 +116,38 @@ class Settings:
         "service.name for all spans (default: the process name).",
         "OTEL_SERVICE_NAME",
     )
+    read_environ: bool = option(
+        False,
+        bool,
+        "Read OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES (only those) from each served "
+        "process's /proc/<pid>/environ to name its spans (needs CAP_SYS_PTRACE for another "
+        "user's process).",
+        ENV + "READ_ENVIRON",
+    )
+    instrumented: str = option(
+        "auto",
+        click.Choice(["auto", "yes", "no"]),
+        "Served processes that make their own SERVER spans get tracejoin's as an INTERNAL "
+        "'<name> (kernel)' span: auto (a published process context, or a connection to an "
+        "OTLP port), or yes/no for every process.",
+        ENV + "INSTRUMENTED",
+    )
+    instrumented_services: tuple[str, ...] = option(
+        (),
+        str,
+        "Per service.name, overrides --instrumented: name=yes or name=no (repeatable, or "
+        "comma-separated).",
+        ENV + "INSTRUMENTED_SERVICES",
+        multiple=True,
+    )
+    otlp_ports: tuple[int, ...] = option(
+        (4317, 4318),
+        click.IntRange(1, 65535),
+        "TCP ports of OTLP receivers: a served process connected to one is taken as "
+        "instrumented (--instrumented auto) (repeatable).",
+        ENV + "OTLP_PORTS",
+        multiple=True,
+    )
     # The file's value is passed to the exporter as an override, which would outrank every
     # OTEL_* variable: it yields to the traces-specific one so that environment > file holds.
     otlp_endpoint: str | None = option(
@@ -151,11 +183,47 @@ class Settings:
         "Run-queue waits at least this long become child spans.",
         ENV + "RUNQ_THRESHOLD_MS",
     )
+    recvq_threshold_ms: float = option(
+        1.0,
+        click.FloatRange(0.0, 10_000),
+        "A TCP receive-queue wait at least this long also becomes a child span (the wait is "
+        "always an attribute of the server span).",
+        ENV + "RECVQ_THRESHOLD_MS",
+    )
+    cpu_budget: float = option(
+        0.5,
+        click.FloatRange(0.0, 64.0),
+        "Share of one CPU the agent may use; above it, it samples requests out in the kernel "
+        "by trace id (as TraceIdRatioBased: agents keep the same traces), counted apart from "
+        "losses. 0: never.",
+        ENV + "CPU_BUDGET",
+    )
     tlb: str = option(
         "auto",
         click.Choice(["auto", "hardware", "flush"]),
         "TLB signal: hardware dTLB/iTLB misses when the PMU opens (auto), or force one.",
         ENV + "TLB",
+    )
+    cuda: bool = option(
+        False,
+        bool,
+        "Uprobes on the CUDA runtime and driver libraries processes map: copies, "
+        "synchronisations, graph launches and allocations on each request's span (needs the "
+        "work set).",
+        ENV + "CUDA",
+    )
+    cuda_launches: bool = option(
+        False,
+        bool,
+        "With --cuda, also count kernel launches (cudaLaunchKernel, cuLaunchKernel*): a uprobe "
+        "pair on the launch path costs microseconds per launch.",
+        ENV + "CUDA_LAUNCHES",
+    )
+    cuda_sync_threshold_ms: float = option(
+        1.0,
+        click.FloatRange(0.01, 60_000),
+        "With --cuda, synchronisations at least this long become child spans.",
+        ENV + "CUDA_SYNC_THRESHOLD_MS",
     )
     disable_tracepoint: tuple[str, ...] = option(
         (),

@@ -10,6 +10,17 @@ higher than A's. Also prints NVML's cost per call, per sample and per join.
 
 Prints a PASS/FAIL table and exits 1 on any FAIL; prints "SKIP: <reason>" and exits 0 without
 a GPU, NVML or PyTorch. Needs nothing from tracejoin's BPF side and downloads nothing.
+
+    sudo python -m bench.gpu_check --cuda [--mib 64] [--requests 3]
+
+adds the CUDA-calls check (docs/attributes.md "CUDA"; root: it loads tracejoin's probes with
+--cuda). A PyTorch server in its own process copies a pageable host tensor of a known size to the
+GPU, runs a matmul on it and calls torch.cuda.synchronize() per request, timing its own work with
+torch.cuda events and the host clock. Each request's span must show the tensor's bytes host to
+device and a synchronisation wait covering the timed synchronize(). It lists the CUDA libraries
+found (where the wheels put libcudart: docs/gpu.md) and the per-call cost on the real libraries
+(a loop of cudaStreamSynchronize on an idle stream, thread CPU time, before and after the probes
+attach).
 """
 
 from __future__ import annotations
@@ -363,11 +374,184 @@ def print_costs(costs: list[CallCost]) -> None:
         print(f"{c.function:<{w}}  {c.calls:>6}  {figures}")
 
 
+# ---- CUDA calls on the span (--cuda) ---------------------------------------------------------
+
+SYNC_MIN_RATIO = 0.8  # the span's sync wait vs the host-timed synchronize() it brackets
+LOOP_CALLS = 2000
+
+
+def serve_cuda(port: int) -> None:
+    """The workload process (`--serve-cuda PORT`): GET /copy?mib=N copies an N MiB pageable
+    tensor to the GPU, multiplies on it and synchronises, and answers what it timed itself;
+    GET /loop?n=K times K cudaStreamSynchronize calls on an idle stream (thread CPU ns/call)."""
+    from http.server import HTTPServer
+    from urllib.parse import parse_qs, urlsplit
+
+    import torch
+
+    torch.zeros(1, device="cuda")  # context and libraries loaded before any measured request
+    hosts: dict[int, Any] = {}
+
+    def copy(mib: int) -> dict[str, Any]:
+        h = hosts.get(mib)
+        if h is None:
+            h = hosts[mib] = torch.ones(mib * 1024 * 1024 // 4, dtype=torch.float32)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        d = h.to("cuda")  # pageable: cudaMemcpyAsync, then the copy is waited for
+        end.record()
+        n = int(d.numel() ** 0.5) or 1
+        m = d[: n * n].view(n, n)
+        for _ in range(4):
+            m = m @ m / n  # work for synchronize() to wait on
+        t0 = time.perf_counter_ns()
+        torch.cuda.synchronize()
+        sync_ns = time.perf_counter_ns() - t0
+        return {
+            "bytes": h.numel() * h.element_size(),
+            "copy_ms": start.elapsed_time(end),
+            "sync_ns": sync_ns,
+        }
+
+    def loop(k: int) -> dict[str, Any]:
+        stream = torch.cuda.current_stream()
+        t0 = time.thread_time_ns()
+        for _ in range(k):
+            stream.synchronize()
+        return {"ns_per_call": (time.thread_time_ns() - t0) / max(k, 1)}
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            url = urlsplit(self.path)
+            q = {k: int(v[0]) for k, v in parse_qs(url.query).items()}
+            out = copy(q.get("mib", 64)) if url.path == "/copy" else loop(q.get("n", 1))
+            body = json.dumps(out).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    srv = HTTPServer(("127.0.0.1", port), Handler)
+    print("ready", flush=True)
+    srv.serve_forever()
+
+
+def _get(port: int, path: str, traceparent: str | None = None) -> dict[str, Any]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
+    if traceparent:
+        req.add_header("traceparent", traceparent)
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return dict(json.loads(resp.read()))
+
+
+def cuda_check(mib: int, requests: int) -> list[Row]:
+    """The CUDA-calls rows: spans against the workload's own timing, and the per-call cost."""
+    import random
+    import subprocess
+
+    from tracejoin.kernel.probes import ProbeConfig
+
+    from tests.harness import Agent, free_ports
+
+    (port,) = free_ports(1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.gpu_check", "--serve-cuda", str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    rows: list[Row] = []
+    agent = None
+    try:
+        assert proc.stdout is not None and "ready" in proc.stdout.readline()
+        base = statistics.median(
+            _get(port, f"/loop?n={LOOP_CALLS}")["ns_per_call"] for _ in range(5)
+        )
+        agent = Agent([port], None, ProbeConfig(ports=(port,), cuda=True))
+        agent.start()
+        cuda = agent.source.cuda
+        assert cuda is not None
+        _get(port, "/loop?n=1")  # the agent sees the process serve: it rescans it
+        deadline = time.monotonic() + 30
+        while not any(proc.pid in f.pids and f.attached for f in cuda.files()):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        time.sleep(2.0)  # the next rescan attaches the rest
+        for f in cuda.files():
+            if proc.pid in f.pids:
+                rows.append(Row(f"cuda file ({f.kind})", f.path, "-", "INFO"))
+                rows.append(Row("  state", f.state, "probed", "PASS" if f.probes else "FAIL"))
+        probed = statistics.median(
+            _get(port, f"/loop?n={LOOP_CALLS}")["ns_per_call"] for _ in range(5)
+        )
+        rows.append(
+            Row(
+                "cudaStreamSynchronize (idle) ns/call",
+                f"{base:.0f} off, {probed:.0f} on (+{probed - base:.0f})",
+                "-",
+                "INFO",
+            )
+        )
+        for _ in range(requests):
+            trace_id = random.getrandbits(128) | 1
+            tp = f"00-{trace_id:032x}-{random.getrandbits(64) | 1:016x}-01"
+            own = _get(port, f"/copy?mib={mib}", tp)
+            (span,) = agent.server_spans(trace_id, timeout_s=20)
+            a = span.attributes
+            h2d = a.get("tracejoin.cuda.memcpy.bytes.host_to_device", -1)
+            rows.append(
+                Row(
+                    "span h2d bytes vs tensor bytes",
+                    f"{h2d} vs {own['bytes']}",
+                    ">=",
+                    "PASS" if isinstance(h2d, int) and h2d >= own["bytes"] else "FAIL",
+                )
+            )
+            wait = a.get("tracejoin.cuda.sync.wait_ns", -1)
+            ok = isinstance(wait, int) and wait >= SYNC_MIN_RATIO * own["sync_ns"]
+            rows.append(
+                Row(
+                    "span sync.wait_ns vs host-timed synchronize()",
+                    f"{wait} vs {own['sync_ns']}",
+                    f">= {SYNC_MIN_RATIO}x",
+                    "PASS" if ok else "FAIL",
+                )
+            )
+            rows.append(
+                Row(
+                    "  memcpy/sync count; torch copy event ms",
+                    f"{a.get('tracejoin.cuda.memcpy.count')}/"
+                    f"{a.get('tracejoin.cuda.sync.count')}; {own['copy_ms']:.3f}",
+                    "-",
+                    "INFO",
+                )
+            )
+        nested = agent.source.kernel_counters().get("cuda_nested", 0)
+        rows.append(Row("calls nested under another (counted once)", str(nested), "-", "INFO"))
+    finally:
+        if agent is not None:
+            agent.shutdown()
+        proc.kill()
+        proc.wait()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=2.0, help="GPU work per request")
     ap.add_argument("--requests", type=int, default=3, help="requests per phase")
+    ap.add_argument("--cuda", action="store_true", help="also check CUDA calls on spans (root)")
+    ap.add_argument("--mib", type=int, default=64, help="--cuda: tensor size per request")
+    ap.add_argument("--serve-cuda", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.serve_cuda:
+        serve_cuda(args.serve_cuda)
+        return 0
 
     reason = skip_reason()
     if reason:
@@ -428,6 +612,11 @@ def main(argv: list[str] | None = None) -> int:
     tick_sampler.shutdown()
     print_costs([*costs, tick, _cost("GpuSampler.join (per span)", join_times)])
     print(f"(sample_once covers {len(status.gpus)} GPU(s) without PCIe; PCIe cost as listed)")
+    if args.cuda:
+        cuda_rows = cuda_check(args.mib, args.requests)
+        print()
+        print_table(cuda_rows)
+        rows += cuda_rows
     failed = [r for r in rows if r.result == "FAIL"]
     print()
     print("RESULT:", "FAIL" if failed else "PASS")

@@ -264,7 +264,7 @@ class AgentRun:
     rss_kb: dict[str, int] = field(default_factory=dict)  # at stop: VmRSS, RssAnon, RssFile
     log: list[str] = field(default_factory=list)
 
-    def start(self, timeout_s: float = 60.0) -> None:
+    def start(self, timeout_s: float = 180.0) -> None:  # a loaded shared VM compiles slowly
         self._dir = Path(tempfile.mkdtemp(prefix="tjbench-", dir=_tmpfs()))
         self.spans_file = self._dir / "spans.otlp.jsonl"
         (self.metrics_port,) = free_ports(1)

@@ -129,7 +129,7 @@ def run_once(
         records = metrics.total("records_received") - r0
         t1 = {w.name: thread_cpu(w.tid) for w in (reader, exporter)}
         proc1 = sum(m.cpu_seconds(os.getpid()))
-        counters = agent.kernel_counters()
+        counters = agent.pipeline.kernel_counters() if agent.pipeline else {}
     finally:
         agent.shutdown(5.0)
         for f in tmp.iterdir():

@@ -9,13 +9,19 @@ of any check of a process's start time).
   - revalidate: the once-per-REVALIDATE_S re-read of a pid already seen, and the first lookup
     of a new pid (psutil: start time, name, executable; the cgroup path; building the resource).
 The kubelet is never on this path (a background thread), so it is not measured here.
+Neither is the ProcessInspector (its own thread): its reads are measured apart, as what that
+thread spends per process every REFRESH_S (the OTEP 4719 process context, the environment, the
+network namespace's TCP tables, the fd walk), and the hit with an inspector attached.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 from tracejoin.core.metrics import Metrics
+from tracejoin.enrich.inspector import ProcessInspector
+from tracejoin.enrich.process_context import read_otel_environ, read_process_context
 from tracejoin.enrich.resources import ResourceResolver, read_process_facts
 
 from bench.stages import _best_us
@@ -43,6 +49,17 @@ def run(n: int = 20_000) -> dict[str, float]:
         )
 
     warm, cold = resolver(3600.0), resolver(0.0)
+    inspected = ResourceResolver(
+        Metrics(),
+        service_name=None,
+        static={},
+        kubelet=None,
+        node_name=None,
+        revalidate_s=3600.0,
+        inspector=ProcessInspector(Metrics(), read_environ=True),
+    )
+    inspector = ProcessInspector(Metrics(), read_environ=True, refresh_s=0.0)
+    cached = ProcessInspector(Metrics(), read_environ=True, refresh_s=3600.0)
     table = {pid: object()}
     return {
         "baseline: dict.get": _best_us(lambda: table.get(pid), n),
@@ -50,6 +67,17 @@ def run(n: int = 20_000) -> dict[str, float]:
         "resource(pid), hit": _best_us(lambda: warm.resource(pid), n),
         "read_process_facts(pid)": _best_us(lambda: read_process_facts(pid), n // 10),
         "resource(pid), revalidate or new pid": _best_us(lambda: cold.resource(pid), n // 10),
+        "served(pid), hit, inspector attached": _best_us(lambda: inspected.served(pid), n),
+        "inspector: process context (maps scan)": _best_us(
+            lambda: read_process_context(pid), n // 100
+        ),
+        "inspector: environ (two variables)": _best_us(lambda: read_otel_environ(pid), n // 100),
+        "inspector: OTLP check, TCP tables read": _best_us(
+            lambda: inspector._otlp_connected(pid, time.monotonic()), 20
+        ),
+        "inspector: OTLP check, tables cached": _best_us(
+            lambda: cached._otlp_connected(pid, time.monotonic()), n // 100
+        ),
     }
 
 

@@ -214,6 +214,10 @@ class Bench:
             t0 = time.monotonic()
             rec["load"] = self.load(sc, self.cfg.phase_s)
             wall = time.monotonic() - t0
+            if sc.kind == "syscall" and holder is None:
+                # the floor, in the same run: the same syscalls under empty programs on the
+                # probed tracepoints (the tracepoint dispatch and BPF entry alone)
+                rec["load_empty"] = empty_programs_syscalls(self.cfg)
             j1 = m.cpu_jiffies()
             procs1 = m.process_cpu_table()
             s_cpu1 = sum(m.cpu_seconds(self.server_pid))
@@ -221,8 +225,15 @@ class Bench:
             rec["other_cpu"] = round(m.other_cpu_seconds(procs0, procs1, mine) / wall, 3)
             rec["cpu_busy"] = m.busy_fraction(j0, j1)
             if sc.kind == "rate":
-                # an open loop that could not send on time measured a queue, not the server
-                rec["generator_behind"] = rec["load"]["send_lag_us"]["p50"] > 1000
+                # an open loop that could not send on time measured a queue, not the server;
+                # and one whose requests were not all answered inside the window measured a
+                # server (or CPU) that fell behind: both are flagged `!`
+                ld = rec["load"]
+                rec["generator_behind"] = (
+                    ld["send_lag_us"]["p50"] > 1000
+                    or ld.get("incomplete", 0) > 0
+                    or ld.get("completed_in_window", ld["scheduled"]) < 0.99 * ld["scheduled"]
+                )
             if sc.kind != "syscall":
                 done = rec["load"]["requests_total"]
                 rec["server_cpu_us_per_req"] = (s_cpu1 - s_cpu0) * 1e6 / max(1, done)
@@ -314,6 +325,24 @@ class Bench:
             self.stop_agent(agent)
 
 
+EMPTY_PAIRS = "".join(
+    f"TRACEPOINT_PROBE(syscalls, sys_{d}_{c}) {{ return 0; }}\n"
+    for c in ("read", "write")
+    for d in ("enter", "exit")
+)
+
+
+def empty_programs_syscalls(cfg: Config) -> dict[str, Any]:
+    """The unrelated syscall loop with empty programs on sys_enter/exit_read and _write."""
+    from bcc import BPF
+
+    bpf = BPF(text=EMPTY_PAIRS.encode())
+    try:
+        return m.syscalls(cfg.syscall_calls, cfg.syscall_rounds, cfg.syscall_cpu)
+    finally:
+        bpf.cleanup()
+
+
 def agent_delta(d: dict[str, float], c0: tuple[float, float], c1: tuple[float, float]) -> dict:
     received = d.get("records_received", 0)
     user, system = c1[0] - c0[0], c1[1] - c0[1]
@@ -326,6 +355,8 @@ def agent_delta(d: dict[str, float], c0: tuple[float, float], c1: tuple[float, f
         "spans_dropped_export": int(d.get("spans_dropped", 0)),
         "request_state_lost": int(d.get("kernel_request_state_lost", 0)),
         "spans_built": int(d.get("spans_built", 0)),
+        "spans_exported": int(d.get("spans_exported", 0)),
+        "sampled_out_budget": int(d.get("kernel_sampled_out_budget", 0)),
         "cpu_user_s": round(user, 3),
         "cpu_sys_s": round(system, 3),
         "cpu_us_per_record": round((user + system) * 1e6 / received, 2) if received else None,
@@ -401,6 +432,13 @@ def overhead(phases: list[dict], sc: Scenario) -> dict[str, Any]:
                 "delta_span": _span(deltas),
                 "off_span": _span(off),
             }
+            empty = [a["load_empty"][k] for a, _ in ps if "load_empty" in a]
+            if empty:
+                out[k]["empty"] = round(_mean(empty), 1)
+                # what tracejoin adds above the dispatch floor (empty programs), same rounds
+                over = [b["load"][k] - a["load_empty"][k] for a, b in ps if "load_empty" in a]
+                out[k]["over_empty_ns"] = round(_mean(over), 1)
+                out[k]["over_empty_span"] = _span(over)
         return out
     rps_off = [a["load"]["rps"] for a, _ in ps]
     rps_on = [b["load"]["rps"] for _, b in ps]
@@ -444,6 +482,14 @@ def overhead(phases: list[dict], sc: Scenario) -> dict[str, Any]:
 CPUS = ("cpu0", "cpu1")
 
 
+def _per_span(agents: list[dict]) -> float | None:
+    """Agent CPU (user+sys) per span built for export (spans_built: the exporter's 1 s flush
+    may not have sent the last ones when the phase's CPU is read, but their CPU is counted)."""
+    spans = sum(a.get("spans_built", 0) for a in agents)
+    cpu = sum(a["cpu_user_s"] + a["cpu_sys_s"] for a in agents)
+    return round(cpu * 1e6 / spans, 2) if spans else None
+
+
 def _per_record(agents: list[dict]) -> float | None:
     rec = sum(a["records_received"] for a in agents)
     cpu = sum(a["cpu_user_s"] + a["cpu_sys_s"] for a in agents)
@@ -465,15 +511,13 @@ class Target:
 def targets(res: dict[str, Any]) -> list[Target]:
     ov = res["overhead"]
     out = []
-    loss_sat = 1 - ov["fast_sat"]["throughput_ratio"]
-    out.append(
-        Target(
-            "throughput loss, µs server, saturation",
-            "<= 5%",
-            f"{loss_sat:+.1%} (ratio {ov['fast_sat']['throughput_ratio']:.3f})",
-            loss_sat <= 0.05,
-        )
-    )
+    for key, label, want in (
+        ("fast_sat", "µs-server throughput at saturation, on/off", 0.85),
+        ("fast_sat_kernel", "... probes alone (agent stopped)", 0.9),
+    ):
+        if key in ov:
+            r = ov[key]["throughput_ratio"]
+            out.append(Target(label, f">= {want}", f"{r:.3f}", r >= want))
     loss_half = 1 - ov["fast_half"]["throughput_ratio"]
     out.append(
         Target(
@@ -493,21 +537,42 @@ def targets(res: dict[str, Any]) -> list[Target]:
                 d <= 0.10,
             )
         )
-    cpu = res["agent"]["cpu_us_per_record"]
+    cpu = res["agent"].get("cpu_us_per_span")
     out.append(
         Target(
-            "agent CPU per traced request (user+sys)",
-            "<= 20 µs",
-            f"{cpu:.1f} µs" if cpu is not None else "no records",
-            None if cpu is None else cpu <= 20,
+            "agent CPU per span (user+sys / spans built for export)",
+            "<= 10 µs",
+            f"{cpu:.1f} µs" if cpu is not None else "no spans",
+            None if cpu is None else cpu <= 10,
         )
     )
-    lost = [s for s in res["loss_curve"] if s["lost_kernel_ringbuf_full"] or s["lost_userspace"]]
+    sy = ov["syscalls"]
+    over = [
+        sy[k]["over_empty_ns"]
+        for k in ("read_devzero_ns", "write_devnull_ns")
+        if "over_empty_ns" in sy[k]
+    ]
+    if over:
+        out.append(
+            Target(
+                "unrelated read()/write(): tracejoin − empty programs",
+                "<= 50 ns",
+                " / ".join(f"+{x:.0f} ns" for x in over),
+                max(over) <= 50,
+            )
+        )
+    lost = [
+        s
+        for s in res["loss_curve"]
+        if (s["lost_kernel_ringbuf_full"] or s["lost_userspace"])
+        and isinstance(s["offered"], int)
+        and s["offered"] <= 20_000
+    ]
     top = max((s["achieved_rps"] for s in res["loss_curve"]), default=0)
     clean = [s["achieved_rps"] for s in res["loss_curve"] if s not in lost]
     out.append(
         Target(
-            f"no records lost up to the top rate here ({top:,} req/s)",
+            f"no records lost up to 20k req/s open loop (top rate here {top:,} req/s)",
             "0 lost",
             "0 lost"
             if not lost
@@ -527,9 +592,9 @@ def targets(res: dict[str, Any]) -> list[Target]:
         )
     )
     start = max(a["startup_s"] for a in res["agent"]["runs"])
-    out.append(Target("start-up to ready (worst run)", "<= 5 s", f"{start:.2f} s", start <= 5))
+    out.append(Target("start-up to ready (worst run)", "<= 2 s", f"{start:.2f} s", start <= 2))
     rss = max(a["peak_rss_mb"] for a in res["agent"]["runs"])
-    out.append(Target("agent peak RSS (worst run)", "<= 150 MB", f"{rss:.0f} MB", rss <= 150))
+    out.append(Target("agent peak RSS (worst run)", "<= 120 MB", f"{rss:.0f} MB", rss <= 120))
     return out
 
 
@@ -635,11 +700,15 @@ def format_report(res: dict[str, Any]) -> str:
     )
     if any(o.get("phases_generator_behind") for o in res["overhead"].values()):
         L.append(
-            "   ! in some phases the open-loop generator sent late (median lag > 1 ms): the "
-            "server (or CPU0) could not keep up, so its latency is a queue's"
+            "   ! in some phases the open-loop generator sent late (median lag > 1 ms) or not "
+            "every request due in the window was answered inside it: the server (or CPU0) could "
+            "not keep up, so its latency is a queue's and its req/s counts only in-window answers"
         )
     sy = res["overhead"]["syscalls"]
-    L.append(f"   unrelated process (ns per call, off → on, Δ [min..max]){_noise_note(sy)}:")
+    L.append(
+        "   unrelated process (ns per call: nothing attached, empty programs, tracejoin; "
+        f"tracejoin − empty [min..max]){_noise_note(sy)}:"
+    )
     for k, label in (
         ("read_devzero_ns", "read(/dev/zero, 1 B)  [sys_enter/exit_read probed]"),
         ("read_pipe_ns", "read(pipe, 1 B)       [sys_enter/exit_read probed]"),
@@ -647,10 +716,17 @@ def format_report(res: dict[str, Any]) -> str:
         ("getppid_ns", "getppid()             [not probed: control]"),
     ):
         v = sy[k]
-        L.append(
-            f"     {label:<52} {v['off']:>6.0f} → {v['on']:>6.0f}  Δ {v['delta_ns']:+6.0f} ns "
-            f"[{v['delta_span'][0]:+.0f}..{v['delta_span'][1]:+.0f}]"
-        )
+        if "empty" in v:
+            L.append(
+                f"     {label:<52} {v['off']:>6.0f} {v['empty']:>6.0f} {v['on']:>6.0f}  "
+                f"+{v['over_empty_ns']:.0f} ns "
+                f"[{v['over_empty_span'][0]:+.0f}..{v['over_empty_span'][1]:+.0f}]"
+            )
+        else:
+            L.append(
+                f"     {label:<52} {v['off']:>6.0f} → {v['on']:>6.0f}  Δ {v['delta_ns']:+6.0f} "
+                f"ns [{v['delta_span'][0]:+.0f}..{v['delta_span'][1]:+.0f}]"
+            )
     L.append("")
     ag = res["agent"]
     dest = {
@@ -676,7 +752,8 @@ def format_report(res: dict[str, Any]) -> str:
         + "; ".join(
             f"{k} {v['cpu']:.1f} ({v['user']:.1f}) µs" for k, v in ag["per_scenario"].items()
         )
-        + f"; all {ag['cpu_us_per_record'] or 0:.1f} µs"
+        + f"; all {ag['cpu_us_per_record'] or 0:.1f} µs; per exported span "
+        f"{ag.get('cpu_us_per_span') or 0:.1f} µs"
     )
     L.append(
         f"   records per request (kernel records_submitted / requests): {ag['records_per_request']}"
@@ -993,6 +1070,7 @@ def assemble(
         "agent": {
             "runs": bench.agents,
             "cpu_us_per_record": _per_record(on_agents),
+            "cpu_us_per_span": _per_span(on_agents),
             "per_scenario": {
                 k: {"cpu": round(v["cpu"], 2), "user": round(v["user"], 2)}
                 for k, v in per_scenario.items()

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tracejoin.config import Settings
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import Resource
 from tracejoin.enrich import traceparent
@@ -57,6 +58,18 @@ def sample_record() -> bytes:
     return bytes(r)
 
 
+def agent_span_options() -> SpanOptions:
+    """The span options `tracejoin run` uses by default on this kind of host (no PMU, no
+    work set in the record): its default thresholds for child spans."""
+    d = Settings()
+    return SpanOptions(
+        frozenset({"recvq", "tcp_stats", "sched", "page_faults", "tlb_flush"}),
+        "flush_fallback",
+        int(d.runq_threshold_ms * 1e6),
+        int(d.recvq_threshold_ms * 1e6),
+    )
+
+
 def _best_us(fn: Callable[[], object], n: int, per: int = 1) -> float:
     fn()
     best = float("inf")
@@ -76,9 +89,7 @@ def run(n: int = 20_000) -> dict[str, Any]:
     assert isinstance(rec, HttpRecord)
     resource = Resource((("service.name", "bench"),))
     enricher = Enricher(metrics, lambda _pid: resource)
-    opts = SpanOptions(
-        frozenset({"recvq", "tcp_stats", "sched", "page_faults", "tlb_flush"}), "flush_fallback"
-    )
+    opts = agent_span_options()
     e = enricher.enrich(rec)
     assert e is not None
     spans = build_spans(e, opts, enricher.new_id)

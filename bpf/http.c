@@ -33,6 +33,9 @@
  * pasted in here):
  *   WITH_RECVQ, WITH_TUPLE_AT_READ, WITH_TCPSTATS, WITH_SCHED, WITH_TLB_FLUSH, WITH_FAULTS,
  *   WITH_WORKSET (needs WITH_SCHED)
+ *   WITH_CUDA (needs WITH_WORKSET), CUDA_SYNC_THRESHOLD_NS
+ *                                          uprobes on CUDA calls (bpf/cuda.h), attached by
+ *                                          agent/kernel/cuda.py to the libraries it finds
  *   TASK_FLAGS_OFF, TASK_PID_OFF, TASK_TGID_OFF, TASK_COMM_OFF
  *                                          task_struct member offsets from the running kernel's
  *                                          BTF (WITH_WORKSET only; agent/kernel/btf.py)
@@ -42,6 +45,8 @@
  *   FILTER_PID, FILTER_PORT, FILTER_COMM   filters are active (values live in maps)
  *   TLB_HW                                 hardware dTLB/iTLB counters are open
  *   RUNQ_THRESHOLD_NS                      run-queue waits at least this long are kept as intervals
+ *   WAKE_EVERY                             records per CPU between forced reader wake-ups (a
+ *                                          power of two: NCPU x WAKE_EVERY <= half the ring)
  *   NCPU                                   possible CPUs
  */
 #include <uapi/linux/ptrace.h>
@@ -54,6 +59,9 @@
 #endif
 #ifndef NCPU
 #define NCPU 64
+#endif
+#ifndef WAKE_EVERY
+#define WAKE_EVERY 1
 #endif
 
 #define AF_INET_ 2
@@ -166,6 +174,8 @@ struct pending_io {
     u64 len;                    /* IO_BUF: its length; IO_IOV: the number of iovecs */
     u32 fd;
     u32 kind;                   /* IO_* */
+    u32 live;                   /* set at the syscall's entry, cleared at its exit or use */
+    u32 _pad;
 };
 
 /* One read or write being scanned: a window of SCRATCH_SIZE bytes of it at a time. */
@@ -243,11 +253,17 @@ BPF_PERCPU_ARRAY(zero_rec, struct http_record, 1);      /* never written: a zero
 BPF_PERCPU_ARRAY(conn_seq, u64, 1);
 BPF_TABLE("lru_hash", u64, struct conn, conns, LRU_ENTRIES);
 BPF_TABLE("lru_hash", struct req_key, struct http_record, reqs, LRU_ENTRIES);
-BPF_TABLE("lru_hash", u64, struct pending_io, pending_rd, LRU_ENTRIES);
-BPF_TABLE("lru_hash", u64, struct pending_io, pending_wr, LRU_ENTRIES);
+/* Per-thread syscall state in task storage, not a hash keyed by thread id: every read and write
+ * on the host passes here before the socket is known, and a task-storage get plus a flag store
+ * costs ~300 ns less than an LRU update plus delete (bench/syscall_probe_cost.py). It is freed
+ * with the task, so nothing needs evicting. */
+BPF_TASK_STORAGE(pending_rd, struct pending_io);
+BPF_TASK_STORAGE(pending_wr, struct pending_io);
 BPF_TABLE("lru_hash", u32, struct tstat, threads, LRU_ENTRIES);
 BPF_PERCPU_ARRAY(zero_thread, struct tstat, 1);         /* never written: a zeroed template */
 BPF_PROG_ARRAY(progs, PROG_COUNT);
+BPF_ARRAY(sampling, struct sampling, 1);
+BPF_TABLE("lru_percpu_hash", struct agg_key, struct agg_val, shed, AGG_ENTRIES);
 BPF_HASH(filter_pid, u32, u8, 1024);
 BPF_HASH(filter_port, u16, u8, 1024);
 struct comm_t {
@@ -258,6 +274,25 @@ BPF_ARRAY(filter_comm, struct comm_t, 1);
 BPF_PERF_ARRAY(dtlb, NCPU);
 BPF_PERF_ARRAY(itlb, NCPU);
 #endif
+
+#define DIR_RD 0
+#define DIR_WR 1
+
+/* The calling thread's entry for `dir`; created when asked to. */
+static __always_inline struct pending_io *pending_slot(int dir, u64 create)
+{
+    struct task_struct *t = (struct task_struct *)bpf_get_current_task_btf();
+    if (dir == DIR_WR)
+        return pending_wr.task_storage_get(t, 0, create);
+    return pending_rd.task_storage_get(t, 0, create);
+}
+
+/* The calling thread's syscall in progress in direction `dir`, or 0. */
+static __always_inline struct pending_io *pending_get(int dir)
+{
+    struct pending_io *p = pending_slot(dir, 0);
+    return p && p->live ? p : 0;
+}
 
 static __always_inline void count(u32 idx)
 {

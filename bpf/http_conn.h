@@ -5,19 +5,19 @@
 
 /* ---------------------------------------------------------------- syscall entry: buffers */
 
-#define DIR_RD 0
-#define DIR_WR 1
-
 static __always_inline int remember(int dir, u32 fd, u64 ptr, u64 len, u32 kind)
 {
     u64 id = bpf_get_current_pid_tgid();
     if (!task_allowed(id >> 32))
         return 0;
-    struct pending_io p = {.ptr = ptr, .len = len, .fd = fd, .kind = kind};
-    if (dir == DIR_WR)
-        pending_wr.update(&id, &p);
-    else
-        pending_rd.update(&id, &p);
+    struct pending_io *p = pending_slot(dir, BPF_LOCAL_STORAGE_GET_F_CREATE);
+    if (p) {
+        p->ptr = ptr;
+        p->len = len;
+        p->fd = fd;
+        p->kind = kind;
+        p->live = 1;
+    }
     return 0;
 }
 
@@ -45,11 +45,9 @@ TRACEPOINT_PROBE(syscalls, sys_enter_sendfile64) { return remember(DIR_WR, args-
  * would otherwise read a stale buffer. */
 static __always_inline int forget(void *ctx, int dir)
 {
-    u64 id = bpf_get_current_pid_tgid();
-    if (dir == DIR_WR)
-        pending_wr.delete(&id);
-    else
-        pending_rd.delete(&id);
+    struct pending_io *p = pending_slot(dir, 0);
+    if (p)
+        p->live = 0;
     if (notes_waiting())        /* requests this syscall opened or ended (http_enrich.h) */
         progs.call(ctx, PROG_RUN_NOTES);
     return 0;
@@ -76,10 +74,79 @@ static __always_inline u64 new_conn_id(void)
     return ((u64)bpf_get_smp_processor_id() << 48) | *c;
 }
 
+/* 8 lowercase hex digits, loaded little-endian from text, as the number they spell (no loop: a
+ * fixed 20 instructions). Each byte becomes its nibble ('a'-'f' have bit 6 set: +9), then the
+ * nibbles are packed most significant first. Not validated: user space validates the
+ * traceparent, and an invalid one starts a new random trace, for which any decision is fair. */
+static __always_inline u64 hex8(u64 x)
+{
+    u64 v = (x & 0x0F0F0F0F0F0F0F0FULL) + ((x >> 6) & 0x0101010101010101ULL) * 9;
+    v = __builtin_bswap64(v);
+    v = (v | (v >> 4)) & 0x00FF00FF00FF00FFULL;
+    v = (v | (v >> 8)) & 0x0000FFFF0000FFFFULL;
+    return (v | (v >> 16)) & 0xFFFFFFFFULL;
+}
+
+/* Whether the overload budget keeps this request (struct sampling in http_record.h). */
+static __always_inline int budget_keeps(struct http_record *rec)
+{
+    int z = 0;
+    struct sampling *sm = sampling.lookup(&z);
+    if (!sm || !sm->active)
+        return 1;
+    /* "vv-<32 hex trace id>-<16 hex parent id>-<2 hex flags>": the id's low 8 bytes are
+     * characters 19..34 */
+    if (rec->tp_len >= 55 && rec->tp[2] == '-' && rec->tp[35] == '-' && rec->tp[52] == '-') {
+        u64 hi, lo;
+        __builtin_memcpy(&hi, &rec->tp[19], 8);
+        __builtin_memcpy(&lo, &rec->tp[27], 8);
+        return ((hex8(hi) << 32) | hex8(lo)) < sm->bound;
+    }
+    /* No trace id to agree on: user space will start a new random one; draw as randomly. */
+    return (((u64)bpf_get_prandom_u32() << 32) | bpf_get_prandom_u32()) < sm->bound;
+}
+
+/* A request the budget shed: counted and aggregated per endpoint, never sent. */
+static __always_inline void aggregate(struct http_record *rec, u16 why)
+{
+    struct agg_key k = {.pid = rec->pid, .lport = rec->lport, .why = why};
+    u64 start = rec->arrival_ns && rec->arrival_ns <= rec->read_ns ? rec->arrival_ns : rec->read_ns;
+    u64 ns = rec->end_ns > start ? rec->end_ns - start : 0;
+    struct agg_val *v = shed.lookup(&k);
+    if (!v) {
+        struct agg_val fresh = {};
+        shed.update(&k, &fresh);
+        v = shed.lookup(&k);
+        if (!v)
+            return;
+    }
+    u32 b = bpf_log2l(ns / 1000 + 1);
+    if (b >= AGG_BUCKETS)
+        b = AGG_BUCKETS - 1;
+    v->count++;
+    v->sum_ns += ns;
+    v->hist[b]++;
+}
+
+/* Records go out without waking the reader (it consumes on a timer, agent/pipeline/stages.py),
+ * except every WAKE_EVERY-th on a CPU: then the ring can never be more than half full of records
+ * nobody was woken for, and a burst still wakes the reader early. */
 static __always_inline void emit(struct http_record *rec)
 {
-    count(CNT_RECORDS_SUBMITTED);
-    if (events.ringbuf_output(rec, record_size(rec), 0) != 0)
+    if (!budget_keeps(rec)) {
+        count(CNT_SAMPLED_OUT_BUDGET);
+        aggregate(rec, AGG_SHED);
+        return;
+    }
+    u32 idx = CNT_RECORDS_SUBMITTED;
+    u64 *n = counters.lookup(&idx);
+    u64 flags = BPF_RB_NO_WAKEUP;
+    if (n) {
+        (*n)++;
+        if (!(*n & (WAKE_EVERY - 1)))
+            flags = BPF_RB_FORCE_WAKEUP;
+    }
+    if (events.ringbuf_output(rec, record_size(rec), flags) != 0)
         count(CNT_RINGBUF_FULL);
 }
 
@@ -189,8 +256,7 @@ TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
     if (c && (c->flags & CONN_TUPLE))
         return 0;
     if (!c) {
-        u64 id = bpf_get_current_pid_tgid();
-        if (!pending_rd.lookup(&id))
+        if (!pending_get(DIR_RD))
             return 0;
         struct conn fresh = {};
         fresh.conn_id = new_conn_id();
@@ -254,8 +320,7 @@ TRACEPOINT_PROBE(sock, sock_recv_length)
 {
     if (args->ret <= 0 || !is_tcp(args->family, args->protocol) || (args->flags & MSG_PEEK_))
         return 0;
-    u64 id = bpf_get_current_pid_tgid();
-    struct pending_io *p = pending_rd.lookup(&id);
+    struct pending_io *p = pending_get(DIR_RD);
     if (!p)
         return 0;
     u64 sk = (u64)args->sk;
@@ -284,7 +349,7 @@ TRACEPOINT_PROBE(sock, sock_recv_length)
     /* this read takes the arrival; data arriving from now on is the next read's */
     s->arrival = c->arrival_ns <= s->now ? c->arrival_ns : 0;
     c->arrival_ns = 0;
-    pending_rd.delete(&id);
+    p->live = 0;
     progs.call(args, (c->flags & CONN_H2) ? PROG_H2_RD : PROG_SCAN_REQ);
     return 0;
 }
@@ -305,8 +370,7 @@ TRACEPOINT_PROBE(sock, sock_send_length)
             untrust(c, CNT_UNTRUSTED_RESPONSE_WITHOUT_REQUEST);
         return 0;
     }
-    u64 id = bpf_get_current_pid_tgid();
-    struct pending_io *p = pending_wr.lookup(&id);
+    struct pending_io *p = pending_get(DIR_WR);
     struct pending_io none = {};
     if (!p)
         p = &none;
@@ -320,7 +384,7 @@ TRACEPOINT_PROBE(sock, sock_send_length)
 #endif
     /* sendfile calls sock_sendmsg once per chunk: only the first event may use a buffer */
     if (p->kind != IO_NONE)
-        pending_wr.delete(&id);
+        p->live = 0;
     progs.call(args, h2 ? PROG_H2_WR : PROG_SCAN_RESP);
     return 0;
 }

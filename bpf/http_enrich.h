@@ -192,6 +192,8 @@ static __always_inline void run_notes_for(u32 tid)
  * record's size, and most requests have no helper). */
 static __always_inline u32 record_size(struct http_record *rec)
 {
+    if (rec->ws_flags & WSF_CUDA)
+        return sizeof(*rec);    /* the CUDA sums are at the end */
     u32 n = rec->ws_nslots;
     if (n > WS_SLOTS)
         n = WS_SLOTS;

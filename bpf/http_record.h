@@ -72,6 +72,25 @@
                                * WS_REFS at once): unexplained_wait_ns is not measured */
 #define WSF_STATS    0x08     /* the reader's counters were taken when the request was read: the
                                * enrichment fields are measured (without it they are not) */
+#define WSF_CUDA     0x80     /* the work set made probed CUDA calls: the record is sent whole,
+                               * http_record.cuda included (bpf/cuda.h) */
+
+/* CUDA calls a request's work set made (bpf/cuda.h), by index into cuda_block.own/shared. */
+#define CSIG_MEMCPY_H2D 0     /* bytes copied host to device */
+#define CSIG_MEMCPY_D2H 1     /* ... device to host */
+#define CSIG_MEMCPY_D2D 2     /* ... device to device */
+#define CSIG_MEMCPY_OTHER 3   /* ... host to host, peer, or inferred from the pointers (Default) */
+#define CSIG_MEMCPY_CALLS 4
+#define CSIG_SYNC_NS 5        /* host time blocked in synchronisation calls */
+#define CSIG_SYNC_CALLS 6
+#define CSIG_GRAPH_LAUNCHES 7
+#define CSIG_LAUNCHES 8       /* kernel launches (opt-in: probed only with --cuda-launches) */
+#define CSIG_ALLOC_BYTES 9
+#define CSIG_ALLOC_CALLS 10
+#define CSIG_FREE_CALLS 11
+#define CSIG_ERRORS 12        /* probed calls that returned an error (their bytes not counted) */
+#define CSIG_COUNT 13
+#define CUDA_WAIT_SLOTS 4     /* longest synchronisation waits kept per request (child spans) */
 
 /* Indices of the `progs` prog_array: user space loads each scanner into its slot. */
 #define PROG_SCAN_REQ 0
@@ -85,6 +104,23 @@
 struct runq_wait {
     __u64 start_ns;
     __u64 dur_ns;
+};
+
+/* One synchronisation call, for a child span: api is its row in bpf/cuda.h CUDA_APIS. */
+struct cuda_wait {
+    __u64 start_ns;
+    __u64 dur_ns;
+    __u32 tid;
+    __u16 api;
+    __u16 shared;          /* 1: the thread also worked for other open requests then */
+};
+
+/* What a request's work set asked of CUDA. own[]: calls by member threads that worked for this
+ * request alone; shared[]: calls made while the thread also worked for other open requests. */
+struct cuda_block {
+    __u64 own[CSIG_COUNT];
+    __u64 shared[CSIG_COUNT];
+    struct cuda_wait waits[CUDA_WAIT_SLOTS]; /* the longest waits; dur_ns 0: unused */
 };
 
 /* One helper thread of a request's work set (not the reader). Counters are what it did while it
@@ -168,10 +204,38 @@ struct http_record {
     __u8  ws_flags;        /* WSF_* */
     __u32 _pad2;
     struct ws_member members[WS_SLOTS];
+    /* --- sent only with WSF_CUDA (then the record is sent whole, members[] included) --- */
+    struct cuda_block cuda;
 };
 
-/* A record ends after its last used work-set member: members[ws_nslots..] are not sent. */
+/* A record ends after its last used work-set member: members[ws_nslots..] are not sent (unless
+ * WSF_CUDA: then all of it is). */
 #define REC_HTTP_FIXED_SIZE __builtin_offsetof(struct http_record, members)
+
+/* The overload budget's in-kernel sampling (agent/pipeline/budget.py writes `sampling`[0]). A
+ * request is kept when its trace id's low 8 bytes, read big-endian, are below `bound`: the rule
+ * of OpenTelemetry's TraceIdRatioBased sampler, so agents on every node keep the same traces. */
+struct sampling {
+    __u64 bound;           /* ratio x 2^64 */
+    __u32 active;          /* 0: keep every request (ratio 1: nothing is decoded) */
+    __u32 _pad;
+};
+
+/* What the kernel keeps of a request it did not send (the budget shed it): counts and latency
+ * (start -> end, as the span would have had), per endpoint. */
+#define AGG_BUCKETS 24        /* log2 latency buckets: [2^i, 2^(i+1)) µs; the last is open */
+#define AGG_ENTRIES 1024      /* endpoints kept (LRU) */
+#define AGG_SHED 1            /* agg_key.why: sampled out by the budget */
+struct agg_key {
+    __u32 pid;             /* process that read the request */
+    __u16 lport;           /* server port (0: the tuple was not known) */
+    __u16 why;             /* AGG_* */
+};
+struct agg_val {
+    __u64 count;
+    __u64 sum_ns;
+    __u64 hist[AGG_BUCKETS];
+};
 
 /* Per-CPU counters in the `counters` array map, by index. User space exports CNT_FOO as
  * `kernel_foo` (the name is the macro's suffix, lowercased; tests/test_decode.py checks it). */
@@ -197,6 +261,8 @@ struct http_record {
 #define CNT_WORKSET_FULL        20 /* wakes refused: the work set already had WS_MAX threads */
 #define CNT_WORKSET_LOST        21 /* work sets evicted (or never created) before the response */
 #define CNT_WORKSET_REFS_FULL   22 /* threads in more than WS_REFS open work sets at once */
+#define CNT_SAMPLED_OUT_BUDGET  23 /* requests the overload budget's ratio kept in the kernel
+                                    * (aggregated in `shed`; not records, never a loss) */
 /* HTTP/2 (bpf/http2_*.h) */
 #define CNT_H2_CONNECTIONS      32 /* connections that became HTTP/2 (preface or Upgrade: h2c) */
 #define CNT_H2_STREAMS_FULL     33 /* streams not tracked: their slot of H2_STREAMS was taken */
@@ -209,6 +275,10 @@ struct http_record {
 #define CNT_H2_DYN_BEYOND       39 /* ... to an entry older than the H2_KINDS insertions tracked */
 #define CNT_H2_STATE_LOST       40 /* stream or connection state evicted before the stream ended */
 #define CNT_H2_HEADERS_CUT      41 /* streams that ended before their header block did: not emitted */
+#define CNT_CUDA_UNATTRIBUTED   46 /* probed CUDA calls by a thread in no open work set */
+#define CNT_CUDA_NESTED         47 /* probed calls beneath another (runtime over driver): not
+                                    * counted again */
+#define CNT_CUDA_ACC_LOST       48 /* CUDA sums of a work set that could not be created */
 #define CNT_MAX                  64 /* size of the map: indices in use are below it */
 
 #endif

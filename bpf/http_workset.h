@@ -139,6 +139,10 @@ struct workset {
 /* Kernel-private to the work set, so declared here rather than in http.c. */
 BPF_TABLE("lru_hash", struct ws_key, struct workset, worksets, WS_ENTRIES);
 BPF_PERCPU_ARRAY(zero_ws, struct workset, 1);           /* never written: a zeroed template */
+/* CUDA calls, summed per work set (they need the maps above) */
+#ifdef WITH_CUDA
+#include "cuda.h"
+#endif
 
 /* The unexplained wait: the reader is blocked and no other member is runnable. Re-evaluated at
  * each change of either, so it costs O(1) per transition. */
@@ -487,6 +491,9 @@ static __always_inline void ws_snapshot(struct http_record *rec, u64 now)
     rec->ws_refused = ws->refused;
     rec->ws_nslots = ws->nslots;
     rec->ws_flags |= ws->flags | WSF_TRACKED;
+#ifdef WITH_CUDA
+    cuda_snapshot(rec, &key);
+#endif
 }
 
 /* The request ended at end_ns: every member still in its set leaves, and the set is gone. */
@@ -509,6 +516,9 @@ static __always_inline void ws_close(u64 conn_id, u64 seq, u64 end_ns)
         }
     }
     worksets.delete(&key);
+#ifdef WITH_CUDA
+    cuda_ws.delete(&key);
+#endif
 }
 
 /* At the start of each response write (sock_send_length, before the scanner): if the write ends
@@ -628,9 +638,9 @@ static __always_inline int ws_may_join(struct tstat *t, u64 id, u32 flags, u32 w
 {
     if ((flags & PF_KTHREAD_) || wakee_pid == AGENT_TGID)
         return 0;
-    struct pending_io *io = pending_wr.lookup(&id);
+    struct pending_io *io = pending_get(DIR_WR);
     if (!io)
-        io = pending_rd.lookup(&id);
+        io = pending_get(DIR_RD);
     if (!io)
         return 1;
     u32 fd = io->fd, pid = id >> 32;

@@ -10,7 +10,9 @@ What goes where (docs/capture.md shows it in the UI):
   span attribute, so clicking a slice shows what the span in Jaeger shows.
 - Tracks: pid = the process that served the request (resource `process.pid`), tid = the thread
   that read it (`thread.id`). Child spans (`tcp.receive_queue_wait`, `sched.runq_wait`) go on
-  their server span's track, nested under it. A work-set helper's span (a child carrying its own
+  their server span's track, nested under it; so do a CUDA synchronisation's (category
+  "cuda", bpf/cuda.h) when the reader waited, else it goes on the helper's track. A work-set
+  helper's span (a child carrying its own
   `process.pid` and `thread.id`: a pool thread, a worker process) goes on that thread's track, so
   each helper thread shows the slices of the requests it worked for.
 - Slices on one track must nest. Requests that overlap on one thread without nesting (an event
@@ -67,6 +69,19 @@ _STATE_COUNTERS: tuple[tuple[str, str, float, str], ...] = (
 )
 
 
+def _is_request(span: Span) -> bool:
+    """A request's span: SERVER, or beside an instrumented server the INTERNAL "(kernel)" one
+    (it says how the server was found instrumented)."""
+    return span.kind == KIND_SERVER or "tracejoin.instrumented.source" in span.attributes
+
+
+def _category(span: Span) -> str:
+    """http: a request; cuda: a CUDA synchronisation it waited in; kernel: other intervals."""
+    if _is_request(span):
+        return "http"
+    return "cuda" if "tracejoin.cuda.sync.wait_ns" in span.attributes else "kernel"
+
+
 def _us(ns: int) -> float:
     """Nanoseconds -> microseconds, exact to the nanosecond in the JSON text."""
     return round(ns / 1000, 3)
@@ -107,8 +122,9 @@ class TraceEventEncoder:
     def _track(self, span: Span, out: list[dict[str, Any]]) -> tuple[int, int]:
         pid = _int(span.resource.get("process.pid")) or 0
         helper_pid = _int(span.attributes.get("process.pid"))
-        helper = span.kind != KIND_SERVER and bool(helper_pid) and "thread.id" in span.attributes
-        if span.kind != KIND_SERVER and not helper and span.parent_span_id in self._span_tracks:
+        request = _is_request(span)
+        helper = not request and bool(helper_pid) and "thread.id" in span.attributes
+        if not request and not helper and span.parent_span_id in self._span_tracks:
             return self._span_tracks[span.parent_span_id]
         if helper and helper_pid != pid:
             pid = helper_pid or 0
@@ -179,7 +195,7 @@ class TraceEventEncoder:
             args[k] = _arg(v)
         return {
             "name": span.name,
-            "cat": "http" if span.kind == KIND_SERVER else "kernel",
+            "cat": _category(span),
             "ph": "X",
             "ts": _us(span.start_ns - self.origin_ns),
             "dur": _us(max(0, span.end_ns - span.start_ns)),

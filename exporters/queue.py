@@ -107,6 +107,23 @@ class BatchExportQueue:
             self.metrics.inc(DROPPED, 1, reason=reason, **self._labels)
         return False
 
+    def submit_many(self, spans: Sequence[Span]) -> int:
+        """Queue what fits of `spans` under one lock; the rest is dropped and counted, as
+        submit() would have. Returns how many were queued."""
+        with self._cond:
+            room = self.max_queue_spans - len(self._queue) if self._accepting else 0
+            taken = spans if len(spans) <= room else spans[: max(0, room)]
+            if taken:
+                before = len(self._queue)
+                self._queue.extend(taken)
+                if before < self.max_batch <= len(self._queue):
+                    self._cond.notify_all()
+            refused = len(spans) - len(taken)
+            if refused:
+                reason = "queue_full" if self._accepting else "shutdown"
+                self.metrics.inc(DROPPED, refused, reason=reason, **self._labels)
+        return len(taken)
+
     def __len__(self) -> int:
         with self._cond:
             return len(self._queue)
@@ -335,6 +352,11 @@ class FanoutQueue:
         for q in self.queues:
             ok = q.submit(span) and ok
         return ok
+
+    def submit_many(self, spans: Sequence[Span]) -> int:
+        """Each destination takes what fits (each counts its own drops); returns the fewest
+        any destination took."""
+        return min((q.submit_many(spans) for q in self.queues), default=len(spans))
 
     def start(self) -> None:
         for q in self.queues:

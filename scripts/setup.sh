@@ -6,6 +6,8 @@
 #   setup.sh test      the above, plus the test tools, the dev dependencies, and the Jaeger,
 #                      helm and schema-validator binaries the tests run (built with Go)
 #   setup.sh dev       only the virtualenv with the dev dependencies (no root): for lint, unit
+#   setup.sh matrix    the kernel matrix's host tools (root): QEMU, mmdebstrap, e2fsprogs; the
+#                      guest kernels and root image are fetched by tests/matrix/run.py itself
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -15,8 +17,8 @@ MODE=${1:-}
 say() { printf 'setup: %s\n' "$*"; }
 
 case "$MODE" in
-    capture | test | dev) ;;
-    *) echo "usage: $0 capture|test|dev" >&2; exit 2 ;;
+    capture | test | dev | matrix) ;;
+    *) echo "usage: $0 capture|test|dev|matrix" >&2; exit 2 ;;
 esac
 
 if [ "$MODE" != dev ] && [ "$(id -u)" != 0 ]; then
@@ -98,6 +100,14 @@ venv() {
 if [ "$MODE" = dev ]; then
     venv dev
     say "ready (venv $VENV)"
+    exit 0
+fi
+
+if [ "$MODE" = matrix ]; then
+    # The guests run under QEMU (TCG: nested KVM fails on these VMs); their root image comes
+    # from Debian through mmdebstrap and their disks are ext4 images made by mke2fs -d.
+    apt_install qemu-system-x86 mmdebstrap e2fsprogs python3-pip
+    say "ready for the kernel matrix (tests/matrix/run.py)"
     exit 0
 fi
 

@@ -56,7 +56,11 @@ def new_traceparent(sampled: bool = True) -> tuple[str, int, int]:
 
 class Agent:
     def __init__(
-        self, ports: list[int], otlp_endpoint: str | None, probe_config: ProbeConfig | None = None
+        self,
+        ports: list[int],
+        otlp_endpoint: str | None,
+        probe_config: ProbeConfig | None = None,
+        settings: Settings | None = None,
     ) -> None:
         self.metrics = Metrics()
         self.ports = list(ports)
@@ -83,7 +87,9 @@ class Agent:
             )
         cfg = probe_config or ProbeConfig(ports=tuple(ports))
         self.source = HttpProbes(cfg, self.metrics)
-        self.app = build_agent(Settings(gpu=False), self.metrics, dests, source=self.source)
+        self.app = build_agent(
+            settings or Settings(gpu=False), self.metrics, dests, source=self.source
+        )
 
     @property
     def pipeline(self) -> Pipeline:

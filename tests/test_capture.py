@@ -287,17 +287,21 @@ def inproc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessCaptur
     with server("threaded", port) as srv:
         dev = FakeDevice(0)
         dev.compute_procs = {srv.pid: 512 * 1024 * 1024}
-        # NVML's own timestamped samples, 50 ms apart, over the next 30 s: every request's
-        # window overlaps some, whenever the span is built.
+        # NVML's own timestamped samples, 100 ms apart, over the next 100 s: every request's
+        # window overlaps some, whenever the span is built (compiling the probes alone took
+        # 30-54 s on a loaded 2-CPU VM), and all of them fit in the sampler's history (1024).
         now_us = time.time_ns() // 1000
-        stamps = range(now_us - 1_000_000, now_us + 30_000_000, 50_000)
+        stamps = range(now_us - 900_000, now_us + 100_000_000, 100_000)
         dev.push_util_samples(GPU, [(t, GPU_KERNEL_PCT) for t in stamps])
         dev.push_util_samples(MEMORY, [(t, GPU_MEM_PCT) for t in stamps])
         sampler = GpuSampler(nvml=FakeNvml([dev]), interval_s=0.1, visible_devices="all")
         # --pid as well as --port: the port filter misses connections that were open before
         # the probes attached (a known gap, xfail in test_reliability.py), and other tests'
         # traffic on this host must not count here.
-        settings = Settings(pid=(srv.pid,), port=(port,), duration=3.0, output_dir=outdir)
+        # every receive-queue wait a child span, however short: the checks below count them
+        settings = Settings(
+            pid=(srv.pid,), port=(port,), duration=3.0, output_dir=outdir, recvq_threshold_ms=0
+        )
         worker = threading.Thread(target=workload, args=(port, traffic), daemon=True)
         out = _Out()
         rc = run_capture(settings, out, gpu_sampler=sampler, on_ready=worker.start)
@@ -735,6 +739,23 @@ def test_summary_fits_in_100_columns() -> None:
     assert "tlb: dTLB load misses where a PMU was available, else TLB flushes" in text
     assert "Losses: 1000000000007" in text and "{exporter=otlp,reason=export_failed}" in text
     assert " ".join(text.split()).count("a very long reason") == 10  # wrapped, not cut
+
+
+def test_summary_shows_what_the_budget_shed_apart_from_losses() -> None:
+    s = Summary(info={"duration_s": 5.0, "filters": "port 9", "tlb_mode": "off", "gpu": "off"})
+    s.counters = {
+        "kernel_sampled_out_budget": 30,
+        "sampling_ratio": 0.25,
+        "requests_sampled_out": 30,
+        "requests_sampled_out{port=8080}": 30,
+        "requests_sampled_out_seconds{port=8080}": 0.06,
+    }
+    text = s.format()
+    assert "Losses: none" in text
+    flat = " ".join(text.split())
+    assert "Sampled out by the CPU budget (not losses" in flat and "ratio at the end 0.25" in flat
+    assert "30  port 8080, mean 2.00 ms" in text
+    assert "Sampled out" not in Summary(info={"duration_s": 1.0}).format()
 
 
 def test_summary_without_requests_says_so() -> None:

@@ -20,6 +20,10 @@ from tracejoin.kernel.probes import bpf_source_dir
 
 FIELDS = [name for name, _ in HttpRecord._fields_]
 MEMBER_FIELDS = [name for name, _ in WsMember._fields_]
+CUDA_FIELDS = [name for name, _ in record.CudaBlock._fields_]
+WAIT_FIELDS = [name for name, _ in record.CudaWait._fields_]
+# the budget's sampling entry and the kernel's aggregates of what it shed
+SMALL_STRUCTS = {"sampling": record.Sampling, "agg_key": record.AggKey, "agg_val": record.AggVal}
 HEADER = bpf_source_dir() / "http_record.h"
 # every object-like macro with a value (the include guard has none)
 CONSTANTS = re.findall(r"^#define[ \t]+([A-Z][A-Z0-9_]*)[ \t]+\S", HEADER.read_text(), re.M)
@@ -46,6 +50,15 @@ def c_contract(tmp_path_factory) -> dict[str, int]:
     lines += [
         f'printf("ws_member.{f} %zu\\n", offsetof(struct ws_member, {f}));' for f in MEMBER_FIELDS
     ]
+    for struct, fields in (("cuda_block", CUDA_FIELDS), ("cuda_wait", WAIT_FIELDS)):
+        lines += [f'printf("{struct}.sizeof %zu\\n", sizeof(struct {struct}));']
+        lines += [f'printf("{struct}.{f} %zu\\n", offsetof(struct {struct}, {f}));' for f in fields]
+    for cname, struct in SMALL_STRUCTS.items():
+        lines += [f'printf("{cname}.sizeof %zu\\n", sizeof(struct {cname}));']
+        lines += [
+            f'printf("{cname}.{f} %zu\\n", offsetof(struct {cname}, {f}));'
+            for f, _ in struct._fields_
+        ]
     lines += [f'printf("{c} %lld\\n", (long long)({c}));' for c in CONSTANTS]
     lines += ["return 0; }"]
     src.write_text("\n".join(lines))
@@ -62,6 +75,20 @@ def test_size_and_every_offset_match_c(c_contract):
     assert ctypes.sizeof(WsMember) == c_contract["ws_member.sizeof"]
     for name in MEMBER_FIELDS:
         assert getattr(WsMember, name).offset == c_contract[f"ws_member.{name}"], name
+    for struct, cname, fields in (
+        (record.CudaBlock, "cuda_block", CUDA_FIELDS),
+        (record.CudaWait, "cuda_wait", WAIT_FIELDS),
+    ):
+        assert ctypes.sizeof(struct) == c_contract[f"{cname}.sizeof"]
+        for name in fields:
+            assert getattr(struct, name).offset == c_contract[f"{cname}.{name}"], name
+
+
+def test_the_sampling_and_aggregate_structs_match_c(c_contract):
+    for cname, struct in SMALL_STRUCTS.items():
+        assert ctypes.sizeof(struct) == c_contract[f"{cname}.sizeof"], cname
+        for f, _ in struct._fields_:
+            assert getattr(struct, f).offset == c_contract[f"{cname}.{f}"], f"{cname}.{f}"
 
 
 def test_every_header_constant_has_the_same_value_in_python(c_contract):
@@ -85,7 +112,9 @@ def test_kernel_counter_names_follow_the_cnt_macros():
     assert set(record.KERNEL_COUNTER_HELP) == set(record.KERNEL_COUNTERS.values())
 
 
-@pytest.mark.parametrize("struct", [HttpRecord, WsMember])
+@pytest.mark.parametrize(
+    "struct", [HttpRecord, WsMember, record.CudaBlock, record.CudaWait, *SMALL_STRUCTS.values()]
+)
 def test_padding_is_explicit(struct):
     # every byte is a named field: no compiler-inserted holes
     end = 0
@@ -131,6 +160,21 @@ def test_a_record_ends_after_its_last_used_member():
     full.ws_nslots = 0
     assert isinstance(dec.decode(bytes(full)[: record.REC_HTTP_FIXED_SIZE]), HttpRecord)
     assert dec.decode(bytes(full)[: record.REC_HTTP_FIXED_SIZE - 1]) is None
+    assert m.get("decode_errors", reason="short") == 2
+
+
+def test_a_record_with_cuda_sums_is_sent_whole():
+    """WSF_CUDA: the record carries its CUDA block at the end, so it must arrive whole."""
+    m = Metrics()
+    dec = RecordDecoder(m)
+    full = HttpRecord()
+    full.type, full.ws_flags = REC_HTTP, record.WSF_CUDA
+    full.cuda.own[record.CSIG_MEMCPY_H2D] = 4096
+    raw = bytes(full)
+    rec = dec.decode(raw)
+    assert isinstance(rec, HttpRecord) and rec.cuda.own[record.CSIG_MEMCPY_H2D] == 4096
+    assert dec.decode(raw[: record.REC_HTTP_FIXED_SIZE]) is None
+    assert dec.decode(raw[:-1]) is None
     assert m.get("decode_errors", reason="short") == 2
 
 

@@ -373,3 +373,27 @@ def test_fake_host_work_set_needs_btf(tmp_path: Path) -> None:
     (root / "sys/kernel/btf").mkdir(parents=True)
     (root / "sys/kernel/btf/vmlinux").write_bytes(b"\x9f\xeb")
     assert signal(run_checks(_opts(root)), workset).status is Status.AVAILABLE
+
+
+@pytest.mark.privileged
+def test_json_stays_json_when_bcc_cannot_find_headers(privileged: None) -> None:
+    """libbcc prints "Unable to find kernel headers" on stdout; `doctor --json` must still be one
+    JSON document, naming the failure (found by the kernel matrix, issue 17)."""
+    import shutil
+    import subprocess
+    import sys
+
+    if not shutil.which("unshare"):
+        pytest.skip("needs unshare (util-linux) to hide /lib/modules in a mount namespace")
+    hide = 'mount -t tmpfs none /lib/modules && exec "$@"'
+    cli = "from tracejoin.commands.cli import main; main()"
+    p = subprocess.run(
+        ["unshare", "-m", "sh", "-c", hide, "sh", sys.executable, "-c", cli, "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    doc = json.loads(p.stdout)
+    assert p.returncode == 1 and doc["ok"] is False
+    (trial,) = [c for c in doc["checks"] if c["name"] == "bpf trial load"]
+    assert trial["status"] == "unavailable" and "kernel headers" in trial["detail"]

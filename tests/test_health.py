@@ -313,7 +313,10 @@ def test_slow_loris_on_the_metrics_port_of_tracejoin_run(tmp_path: Path) -> None
     spans_file = tmp_path / "spans.jsonl"
     n = 1200
     with server("go", port) as srv:
-        args = ["--port", str(port), "--pid", str(srv.pid), "--no-gpu"]
+        # --cpu-budget 0: defending the port costs the agent CPU, and above its budget it would
+        # rightly shed traces (counted, test_reliability.py); this test is about the reader
+        # keeping up, so every request must come through
+        args = ["--port", str(port), "--pid", str(srv.pid), "--no-gpu", "--cpu-budget", "0"]
         args += ["--spans-file", str(spans_file)]
         with agent_process(args, tmp_path, metrics_port) as agent:
             agent.wait_ready()

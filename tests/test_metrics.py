@@ -56,9 +56,11 @@ def test_names_follow_one_convention() -> None:
 def test_label_value_sets_match_their_owners() -> None:
     copied = {m.name for m in METRICS if m.copied}
     kernel = {"kernel_" + n for n in decode.KERNEL_COUNTERS.values()}
-    assert copied == kernel | {"process_cpu_seconds"}  # the agent's own CPU, from psutil
+    # the agent's own CPU (psutil) and the per-port sums of what the CPU budget shed (a kernel map)
+    budget = {"requests_sampled_out", "requests_sampled_out_seconds"}
+    assert copied == kernel | {"process_cpu_seconds"} | budget
     assert set(DECLARED["traceparent_rejected"].values["reason"]) == set(traceparent.REASONS)
-    signals = {s.name for s in probes.OPTIONAL_SIGNALS} | {"page_faults"}
+    signals = {s.name for s in probes.OPTIONAL_SIGNALS} | {"page_faults", *probes.CUDA_SIGNALS}
     tlb_modes = {"hardware", "flush_fallback", "off"}  # ProbeStatus.tlb_mode
     want = signals | {"tlb_" + mode for mode in tlb_modes}
     assert set(DECLARED["probe_mode"].values["signal"]) == want

@@ -15,6 +15,7 @@ import ctypes
 import json
 import os
 import queue
+import random
 import re
 import signal
 import subprocess
@@ -51,6 +52,7 @@ from hostile import (
 )
 from jaeger import Jaeger, JaegerPorts, find_binary, missing_binary_message
 from jaeger import trace_ids_equal as _same_trace
+from opentelemetry.sdk.trace.sampling import Decision, TraceIdRatioBased
 from tracejoin.core.model import KIND_SERVER, Span
 from tracejoin.core.record import (
     LRU_ENTRIES,
@@ -94,6 +96,7 @@ class RelAgent:
     threaded_port: int  # a thread-per-connection Python server, in the filter
     outsider_port: int  # a Python server outside --port (its pid is in --pid)
     outsider: Conn  # a keep-alive connection to it, opened before the agent started
+    go_pid: int = 0
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +123,7 @@ def rel(privileged: None) -> Iterator[RelAgent]:
         a = Agent([go_port, threaded_port], None, probe_config=cfg)
         a.start()
         try:
-            yield RelAgent(a, go_port, threaded_port, outsider_port, outsider)
+            yield RelAgent(a, go_port, threaded_port, outsider_port, outsider, go.pid)
         finally:
             outsider.close()
             a.shutdown()
@@ -233,6 +236,84 @@ def test_ring_buffer_losses_add_up_exactly(rel):
     served = parse_prometheus(text)
     assert served[("kernel_ringbuf_full", frozenset())] == k2["ringbuf_full"], text
     assert "tracejoin_kernel_ringbuf_full_total " in text
+
+
+def test_batched_reading_keeps_the_loss_identity_exact(rel):
+    """The reader takes the ring on a timer and the kernel wakes it only every WAKE_EVERY
+    records per CPU: a burst of three rings' worth, read while it arrives, still adds up exactly
+    (submitted == received + ringbuf_full), arrives in batches, and makes one span each."""
+    agent, m = rel.agent, rel.agent.metrics
+    pipe = agent.pipeline
+    n = RINGBUF_RECORDS * 3
+    k0 = pipe.kernel_counters()
+    recv0, batches0 = m.get("records_received"), m.get("record_batches")
+    drop0 = m.total("records_dropped_userspace")
+    sent = keepalive_load(rel.go_port, n, conns=8, prefix="/batch")
+    k1 = pipe.kernel_counters()
+    submitted = k1["records_submitted"] - k0["records_submitted"]
+    full = k1["ringbuf_full"] - k0["ringbuf_full"]
+    received = _wait_stable(lambda: m.get("records_received")) - recv0
+    batches = m.get("record_batches") - batches0
+    report(
+        f"batched: {n} requests, submitted {submitted}, received {received:.0f} in "
+        f"{batches:.0f} batches, ringbuf_full {full}"
+    )
+    assert submitted == n
+    assert submitted == received + full, "submitted == received + ringbuf_full, exactly"
+    assert k1["sampled_out_budget"] == k0["sampled_out_budget"], "nothing shed at ratio 1"
+    assert 0 < batches < received / 4, "records arrive many per wake-up"
+    dropped_user = m.total("records_dropped_userspace") - drop0
+    agent.wait_for(lambda _s: len(_server_spans(agent, "/batch/")) >= received - dropped_user, 10)
+    servers = _server_spans(agent, "/batch/")
+    assert len(servers) + dropped_user == received
+    seen, problems = _check_attribution(servers, sent)
+    assert not problems, problems[:5]
+    assert len(seen) == len(servers)
+
+
+def test_budget_sheds_the_same_trace_ids_as_the_otel_sampler(rel):
+    """At a ratio below 1 the kernel keeps exactly the requests OpenTelemetry's
+    TraceIdRatioBased sampler keeps (fixed trace ids), counts the rest as sampled out (never as
+    lost) and aggregates their count and latency under their endpoint."""
+    agent = rel.agent
+    pipe, probes = agent.pipeline, agent.source
+    ratio = 0.4
+    rng = random.Random(1913)
+    sent = [
+        Sent(f"/shed/{i}", rng.getrandbits(128) | 1, rng.getrandbits(64) | 1) for i in range(300)
+    ]
+    sdk = TraceIdRatioBased(ratio)
+    keep = {
+        s.trace_id
+        for s in sent
+        if sdk.should_sample(None, s.trace_id, "x").decision == Decision.RECORD_AND_SAMPLE
+    }
+    assert 60 < len(keep) < 240  # the id set exercises both sides
+    key = (rel.go_pid, rel.go_port)
+    k0 = pipe.kernel_counters()
+    shed0 = probes.shed().get(key, (0, 0, []))[0]
+    probes.set_sampling(ratio)
+    try:
+        conn = Conn(rel.go_port)
+        for s in sent:
+            assert conn.request(get_bytes(s)) == 200
+        conn.close()
+    finally:
+        probes.set_sampling(1.0)
+    k1 = pipe.kernel_counters()
+    shed_n = k1["sampled_out_budget"] - k0["sampled_out_budget"]
+    report(f"budget at {ratio}: kept {len(keep)} of {len(sent)}, kernel shed {shed_n}")
+    assert k1["records_submitted"] - k0["records_submitted"] == len(keep)
+    assert shed_n == len(sent) - len(keep)
+    assert k1["ringbuf_full"] == k0["ringbuf_full"], "shedding is not a loss"
+    count, sum_ns, hist = probes.shed()[key]
+    assert count - shed0 == shed_n, "aggregated under the server's pid and port"
+    assert sum(hist) == count and sum_ns > 0
+    spans = agent.wait_for(lambda _s: len(_server_spans(agent, "/shed/")) >= len(keep), 10)
+    got = {sp.trace_id for sp in _server_spans(agent, "/shed/")}
+    time.sleep(0.3)  # nothing else trickles in
+    assert got == keep, (len(got), len(keep), len(spans))
+    assert {sp.trace_id for sp in _server_spans(agent, "/shed/")} == keep
 
 
 def _read_lines(proc: subprocess.Popen[str], out: queue.Queue[str]) -> None:

@@ -63,6 +63,20 @@ def test_child_of_the_callers_span():
     assert child.duration_ns == 2_000_000
 
 
+@pytest.mark.parametrize(("threshold_ns", "children"), [(0, 1), (2_000_000, 1), (2_000_001, 0)])
+def test_receive_queue_child_only_from_the_threshold(threshold_ns, children):
+    """The wait (2 ms here) is always an attribute; a child span only when it reaches the
+    threshold (--recvq-threshold-ms)."""
+    m = Metrics()
+    enricher = Enricher(m, lambda _pid: RESOURCE)
+    e = enricher.enrich(record(f"00-{TID:032x}-{PID:016x}-01"))
+    assert e is not None
+    opts = SpanOptions(ALL_SIGNALS, "flush_fallback", recvq_child_threshold_ns=threshold_ns)
+    server, *rest = build_spans(e, opts, enricher.new_id)
+    assert server.attributes["tracejoin.tcp.receive_queue_wait_ns"] == 2_000_000
+    assert [s.name for s in rest] == ["tcp.receive_queue_wait"] * children
+
+
 def test_no_parent_policy_root_or_skip():
     m = Metrics()
     root = build(m, record(None), no_parent="root")

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from tracejoin.app import build_agent, capture_destinations
+from tracejoin.app import build_agent, capture_destinations, settle_gc
 from tracejoin.commands.signals import Stop, stop_on_signals
 from tracejoin.commands.summary import (
     CAPTURE_FILE,
@@ -151,7 +151,8 @@ def _capture(
 
     def on_spans(spans: list[Span], _rec: HttpRecord) -> None:
         with lock:
-            summary.add_span(spans[0])
+            for span in spans:  # the request's span, and its children for the example traces
+                summary.add_span(span)
 
     agent = build_agent(
         s, metrics, destinations, source=source, gpu_sampler=gpu_sampler, observers=[on_spans]
@@ -173,6 +174,7 @@ def _capture(
         agent.shutdown(1.0)
         perfetto.abandon()
         return 2
+    settle_gc()
     status = agent.status
     gpu = agent.gpu
     notes = [f"{name} {state}" for name, state in status.signals.items() if state != "on"]
@@ -239,6 +241,7 @@ def _capture(
         "stopped_by": stopped_by,
         "filters": _filters(s),
         "tlb_mode": status.tlb_mode,
+        "signals": dict(status.signals),  # name -> "on" / "off: why" (the kernel matrix reads it)
         "gpu": agent.gpu_text,
     }
     with lock:

@@ -53,13 +53,15 @@ def main(verbose: bool) -> None:
 def doctor(as_json: bool, disable_tracepoint: tuple[str, ...]) -> None:
     """Check every signal tracejoin offers: available, fallback (which), or unavailable (why,
     and what would fix it). Exits 0 when the core pipeline can run."""
-    from tracejoin.host.doctor import DoctorOptions, run_checks
+    from tracejoin.host.doctor import DoctorOptions, run_checks, running_agent, running_agent_text
 
     report = run_checks(DoctorOptions(disabled_tracepoints=frozenset(disable_tracepoint)))
+    port = int(os.environ.get("TRACEJOIN_METRICS_PORT") or 9464)
+    agent = running_agent(port) if port else None
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
+        click.echo(json.dumps({**report.to_json(), "running_agent": agent}, indent=2))
     else:
-        click.echo(report.format_text())
+        click.echo(report.format_text() + "\n" + running_agent_text(port, agent))
     sys.exit(report.exit_code)
 
 

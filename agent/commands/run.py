@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from tracejoin import __version__
-from tracejoin.app import Agent, build_agent, run_destinations
+from tracejoin.app import Agent, build_agent, run_destinations, settle_gc
 from tracejoin.commands.health import HealthServer
 from tracejoin.commands.signals import Stop, stop_on_signals
 from tracejoin.config import ConfigError, Settings
@@ -129,6 +129,7 @@ def _run(
         metrics.set("ready", 1)
         if health is not None:
             health.loaded = True
+        settle_gc()
         log.info(
             "ready: probes loaded in %.1fs; signals %s; TLB %s; GPU %s",
             status.load_seconds,

@@ -1,6 +1,8 @@
 """The capture summary: per endpoint, where the time went; the slowest requests by trace id;
-the loss counters. Computed from server spans only, so `tracejoin report` recomputes it from the
-saved OTLP-JSON file exactly as `capture` printed it.
+an example trace tree for a server that makes its own spans and for one that does not; the loss
+counters. Computed from tracejoin's request spans (SERVER, or INTERNAL "(kernel)" beside an
+instrumented server) and their children, so `tracejoin report` recomputes it from the saved
+OTLP-JSON file exactly as `capture` printed it.
 
 Memory per request is a few floats (per-endpoint arrays), not the span: a capture that runs for
 hours still summarises in bounded space per request. Every line fits in WIDTH columns.
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tracejoin.core.model import KIND_SERVER, STATUS_ERROR, Span
+from tracejoin.core.model import KIND_INTERNAL, KIND_SERVER, STATUS_ERROR, Span
 from tracejoin.core.text import terminal_safe
 from tracejoin.pipeline.spans import GRPC_CODE_NAMES
 
@@ -181,6 +183,44 @@ WORK_COLUMNS: tuple[WorkColumn, ...] = (
 )
 
 
+def _cuda(key: str, scale: float = 1.0) -> Callable[[Attrs], float | None]:
+    """A CUDA value: 0 for a request of a capture with --cuda that made no probed call (its span
+    has the work set but no CUDA attribute), None for one without the work set."""
+
+    def get(attrs: Attrs) -> float | None:
+        if _num(attrs, "tracejoin.work.shared_with_max") is None:
+            return None
+        return (_num(attrs, key) or 0.0) * scale
+
+    return get
+
+
+# CUDA calls (docs/attributes.md "CUDA"), shown only when a request of the capture made one.
+CUDA_COLUMNS: tuple[WorkColumn, ...] = (
+    WorkColumn(
+        "h2d B",
+        "h2d, d2h: bytes the work set copied host to device and back (cudaMemcpy*, cuMemcpy*)",
+        _cuda("tracejoin.cuda.memcpy.bytes.host_to_device"),
+    ),
+    WorkColumn("d2h B", "", _cuda("tracejoin.cuda.memcpy.bytes.device_to_host")),
+    WorkColumn("copies", "copies: memcpy calls", _cuda("tracejoin.cuda.memcpy.count")),
+    WorkColumn(
+        "sync ms",
+        "sync: host time blocked in CUDA synchronisation calls, own part",
+        _cuda("tracejoin.cuda.sync.wait_ns", 1e-6),
+    ),
+    WorkColumn(
+        "~sync ms",
+        "~sync: the same by threads that also served other open requests (a batching GPU "
+        "worker): shared, not the request's own",
+        _cuda("tracejoin.work.shared.cuda.sync.wait_ns", 1e-6),
+        shared=True,
+    ),
+    WorkColumn("graphs", "graphs: CUDA graph launches", _cuda("tracejoin.cuda.graph_launches")),
+    WorkColumn("alloc B", "alloc: bytes allocated", _cuda("tracejoin.cuda.alloc.bytes")),
+)
+
+
 def percentile(sorted_vals: list[float], p: float) -> float:
     """Nearest-rank percentile: the smallest value v with at least p% of the values <= v."""
     if not sorted_vals:
@@ -197,6 +237,7 @@ class EndpointStats:
     components: list[array[float]] = field(default_factory=lambda: [array("d") for _ in COMPONENTS])
     work: list[array[float]] = field(default_factory=lambda: [array("d") for _ in WORK_COLUMNS])
     grpc: dict[int, int] = field(default_factory=dict)  # gRPC status code -> calls
+    cuda: list[array[float]] = field(default_factory=lambda: [array("d") for _ in CUDA_COLUMNS])
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -207,6 +248,26 @@ class Slow:
     status: int  # HTTP status, 0 when none
 
 
+INSTRUMENTED_KEY = "tracejoin.instrumented.source"
+EXAMPLE_CHILDREN = 4
+
+
+@dataclass
+class Example:
+    """The first request of one case (instrumented or not), with its first children."""
+
+    trace_id: str
+    span_id: str
+    parent_id: str  # "" for a new root
+    name: str
+    kind: str
+    service: str
+    service_source: str
+    instrumented: str  # "" when not
+    duration_ns: int
+    children: list[str] = field(default_factory=list)
+
+
 @dataclass
 class Summary:
     endpoints: dict[str, EndpointStats] = field(default_factory=dict)
@@ -215,6 +276,8 @@ class Summary:
     info: dict[str, Any] = field(default_factory=dict)  # capture metadata (capture.json)
     tlb_kinds: set[str] = field(default_factory=set)
     source: str = ""  # where the spans came from, when there is no capture metadata
+    examples: dict[bool, Example] = field(default_factory=dict)  # by "instrumented"
+    cuda_seen: bool = False  # a request made a probed CUDA call: the CUDA table is shown
 
     @property
     def requests(self) -> int:
@@ -246,6 +309,15 @@ class Summary:
             v = col.value(attrs)
             if v is not None:
                 values.append(v)
+        if (
+            "tracejoin.cuda.memcpy.count" in attrs
+            or "tracejoin.work.shared.cuda.memcpy.count" in attrs
+        ):
+            self.cuda_seen = True
+        for col, values in zip(CUDA_COLUMNS, ep.cuda, strict=True):
+            v = col.value(attrs)
+            if v is not None:
+                values.append(v)
         if "tracejoin.tlb.dtlb_load_misses" in attrs:
             self.tlb_kinds.add("misses")
         elif "tracejoin.tlb.flushes" in attrs:
@@ -257,12 +329,42 @@ class Summary:
             heapq.heapreplace(self.slowest, item)
 
     def add_span(self, span: Span) -> None:
-        if span.kind != KIND_SERVER:
+        parent = f"{span.parent_span_id:016x}" if span.parent_span_id else ""
+        if not is_request(span.kind, span.attributes):
+            self.example_child(parent, span.name)
             return
         status = span.attributes.get("http.response.status_code", 0)
         status = status if isinstance(status, int) else 0
         error = span.status_code == STATUS_ERROR or status >= 500
         self.add(span.name, span.trace_id_hex, span.duration_ns, error, status, span.attributes)
+        service = span.resource.get("service.name")
+        self.example(span.trace_id_hex, span.span_id_hex, parent, span.name, span.kind,
+                     str(service or "?"), span.duration_ns, span.attributes)  # fmt: skip
+
+    def example(
+        self,
+        trace_id: str,
+        span_id: str,
+        parent_id: str,
+        name: str,
+        kind: int,
+        service: str,
+        duration_ns: int,
+        attrs: Attrs,
+    ) -> None:
+        """Keep the first request of its case as that case's example trace."""
+        instrumented = str(attrs.get(INSTRUMENTED_KEY) or "")
+        case = bool(instrumented)
+        if case not in self.examples:
+            self.examples[case] = Example(
+                trace_id, span_id, parent_id, name, _KIND_NAMES.get(kind, str(kind)), service,
+                str(attrs.get("tracejoin.service_name.source") or "?"), instrumented, duration_ns,
+            )  # fmt: skip
+
+    def example_child(self, parent_id: str, name: str) -> None:
+        for ex in self.examples.values():
+            if ex.span_id == parent_id and len(ex.children) < EXAMPLE_CHILDREN:
+                ex.children.append(name)
 
     # ---- text ----------------------------------------------------------------------------
 
@@ -280,10 +382,17 @@ class Summary:
             if any(values for ep in self.endpoints.values() for values in ep.work):
                 lines.append("")
                 lines.extend(self._work_table())
+            if self.cuda_seen:
+                lines.append("")
+                lines.extend(self._cuda_table())
             lines.append("")
             lines.extend(self._slowest())
+        if self.examples:
+            lines.append("")
+            lines.extend(self._examples())
         lines.append("")
         lines.extend(self._losses())
+        lines.extend(self._budget())
         return "\n".join(_fit(terminal_safe(line)) for line in lines)
 
     def _header(self) -> list[str]:
@@ -349,20 +458,29 @@ class Summary:
         return out
 
     def _work_table(self) -> list[str]:
-        head = f"{'work set':<{WORK_NAME}}" + "".join(
-            f"{c.column:>{WORK_CELL}}" for c in WORK_COLUMNS
-        )
+        return self._column_table("work set", WORK_COLUMNS, lambda ep: ep.work)
+
+    def _cuda_table(self) -> list[str]:
+        return self._column_table("cuda", CUDA_COLUMNS, lambda ep: ep.cuda)
+
+    def _column_table(
+        self,
+        title: str,
+        columns: tuple[WorkColumn, ...],
+        pick: Callable[[EndpointStats], list[array[float]]],
+    ) -> list[str]:
+        head = f"{title:<{WORK_NAME}}" + "".join(f"{c.column:>{WORK_CELL}}" for c in columns)
         sub = " " * WORK_NAME + "".join(
-            f"{'p50/max' if c.high == 100 else 'p50/p99':>{WORK_CELL}}" for c in WORK_COLUMNS
+            f"{'p50/max' if c.high == 100 else 'p50/p99':>{WORK_CELL}}" for c in columns
         )
         out = [head, sub, "-" * len(head)]
         order = sorted(self.endpoints.items(), key=lambda kv: (-kv[1].count, kv[0]))
         for raw_name, ep in order:
-            if not any(ep.work):
+            if not any(pick(ep)):
                 continue
             name = terminal_safe(raw_name)
             nums = ""
-            for col, values in zip(WORK_COLUMNS, ep.work, strict=True):
+            for col, values in zip(columns, pick(ep), strict=True):
                 vals = sorted(values)
                 lo, hi = percentile(vals, 50), percentile(vals, col.high)
                 cell = f"{_mark(lo, col.shared)}/{_mark(hi, col.shared)}" if vals else "-"
@@ -372,7 +490,7 @@ class Summary:
             else:
                 out.append(name)
                 out.append(" " * WORK_NAME + nums)
-        legend = " ".join(c.legend + "." for c in WORK_COLUMNS if c.legend)
+        legend = " ".join(c.legend + "." for c in columns if c.legend)
         return out + _wrap(legend)
 
     def _legend(self) -> list[str]:
@@ -396,6 +514,33 @@ class Summary:
             out.append(f"  {_ms(s.duration_ns / 1e6):>9} ms  {status:>3}  {s.trace_id}  {name}")
         return out
 
+    def _examples(self) -> list[str]:
+        """One trace tree per case, as Jaeger shows it: the caller's span, then beside an
+        instrumented server its own SERVER span (not tracejoin's) and tracejoin's INTERNAL."""
+        out = ["Example traces (open the trace id in Jaeger):"]
+        for case in (False, True):
+            ex = self.examples.get(case)
+            if ex is None:
+                continue
+            what = (
+                f"instrumented server (detected by {ex.instrumented})"
+                if case
+                else "server without its own spans"
+            )
+            out.append(f"  {what}: trace {ex.trace_id}")
+            out.append(f"    caller span {ex.parent_id}" if ex.parent_id else "    (new trace)")
+            if case:
+                out.append(
+                    "    ├─ the app's own SERVER span, from its SDK "
+                    "(in Jaeger, not in this capture)"
+                )
+            out.append(
+                f"    └─ {ex.name}  {ex.kind}  {ex.service}  {_ms(ex.duration_ns / 1e6)} ms"
+                f"  (service.name from {ex.service_source})"
+            )
+            out.extend(f"       └─ {child}  INTERNAL" for child in ex.children)
+        return out
+
     def _losses(self) -> list[str]:
         c = self.counters
         lost = sum(int(c.get(k, 0)) for k, _ in LOSS_COUNTERS)
@@ -406,6 +551,28 @@ class Summary:
                 for k in sorted(c):
                     if k.startswith("spans_dropped{") and c[k]:
                         out.append(f"  {int(c[k]):>8}    {k[len('spans_dropped') :]}")
+        return out
+
+    def _budget(self) -> list[str]:
+        """What the CPU budget sampled out in the kernel: never a loss, so apart from them."""
+        c = self.counters
+        shed = int(c.get("kernel_sampled_out_budget", 0))
+        ratio = c.get("sampling_ratio", 1.0)
+        if not shed and ratio >= 1.0:
+            return []
+        out = [
+            "",
+            *_wrap(
+                f"Sampled out by the CPU budget (not losses; the same trace ids on every "
+                f"agent): {shed}; sampling ratio at the end {ratio:.4g}"
+            ),
+        ]
+        for k in sorted(c):
+            if k.startswith("requests_sampled_out{port=") and c[k]:
+                port = k[len("requests_sampled_out{port=") : -1]
+                secs = c.get(f"requests_sampled_out_seconds{{port={port}}}", 0.0)
+                mean = f", mean {secs / c[k] * 1000:.2f} ms" if c[k] else ""
+                out.append(f"  {int(c[k]):>8}  port {port}{mean}")
         return out
 
 
@@ -471,27 +638,50 @@ LOSS_COUNTERS = (
 )
 
 
+_KIND_NAMES = {KIND_SERVER: "SERVER", KIND_INTERNAL: "INTERNAL"}
+
+
+def is_request(kind: int | str, attrs: Attrs) -> bool:
+    """tracejoin's span for a request: the SERVER span, or beside an instrumented server the
+    INTERNAL one that says how it was detected."""
+    return kind in _SERVER_KINDS or (kind in _INTERNAL_KINDS and INSTRUMENTED_KEY in attrs)
+
+
 # ---- reading saved files -----------------------------------------------------------------
 
 _SERVER_KINDS = (KIND_SERVER, "SPAN_KIND_SERVER")
+_INTERNAL_KINDS = (KIND_INTERNAL, "SPAN_KIND_INTERNAL")
 _ERROR_CODES = (STATUS_ERROR, "STATUS_CODE_ERROR")
 
 
 def add_otlp_json(summary: Summary, request: Mapping[str, Any]) -> int:
-    """Add the server spans of one OTLP/JSON ExportTraceServiceRequest; returns spans seen."""
+    """Add the request spans of one OTLP/JSON ExportTraceServiceRequest (and their children
+    to the example traces); returns spans seen."""
     n = 0
     for rs in request.get("resourceSpans") or []:
+        res = (rs.get("resource") or {}).get("attributes") or []
+        service = next((a for a in res if a.get("key") == "service.name"), None)
+        service_name = str(_json_value(service.get("value") or {})) if service else "?"
         for ss in rs.get("scopeSpans") or []:
             for sp in ss.get("spans") or []:
                 n += 1
-                if sp.get("kind") not in _SERVER_KINDS:
+                kind = sp.get("kind")
+                attrs = {
+                    a["key"]: _json_value(a.get("value") or {}) for a in sp.get("attributes") or []
+                }
+                parent = str(sp.get("parentSpanId") or "").lower()
+                if not is_request(kind, attrs):
+                    summary.example_child(parent, sp.get("name", ""))
                     continue
-                attrs = {a["key"]: _json_value(a.get("value") or {}) for a in sp.get("attributes")}
                 dur = int(sp.get("endTimeUnixNano", 0)) - int(sp.get("startTimeUnixNano", 0))
                 status = attrs.get("http.response.status_code", 0)
                 status = status if isinstance(status, int) else 0
                 error = (sp.get("status") or {}).get("code") in _ERROR_CODES or status >= 500
-                summary.add(sp["name"], sp["traceId"].lower(), dur, error, status, attrs)
+                trace_id = sp["traceId"].lower()
+                summary.add(sp["name"], trace_id, dur, error, status, attrs)
+                kind_no = KIND_SERVER if kind in _SERVER_KINDS else KIND_INTERNAL
+                summary.example(trace_id, str(sp.get("spanId", "")).lower(), parent, sp["name"],
+                                kind_no, service_name, dur, attrs)  # fmt: skip
     return n
 
 

@@ -96,7 +96,20 @@ PROBE_SIGNALS = (  # tracejoin.kernel.probes: OPTIONAL_SIGNALS, page_faults, tlb
     "tlb_hardware",
     "tlb_flush_fallback",
     "tlb_off",
+    "cuda",  # opt-in (--cuda, --cuda-launches): reported only when asked for
+    "cuda_launches",
 )
+SERVICE_NAME_SOURCES = (  # tracejoin.enrich.resources.SERVICE_NAME_SOURCES
+    "config",
+    "process_context",
+    "environ",
+    "k8s_annotation",
+    "k8s_label",
+    "k8s_workload",
+    "process_name",
+    "unknown",
+)
+PROCESS_CONTEXT_INVALID = ("signature", "version", "size", "torn", "decode")  # process_context
 SPAN_DROP_REASONS = ("queue_full", "export_failed", "rejected", "shutdown")  # exporters.queue
 
 METRICS: tuple[Metric, ...] = (
@@ -120,6 +133,31 @@ METRICS: tuple[Metric, ...] = (
         values={"reason": ("undecodable", "build_error")},
     ),
     counter("reader_errors", "Ring-buffer polls that raised (the reader goes on)."),
+    counter(
+        "record_batches",
+        "Ring-buffer reads that returned records (records_received / record_batches: records "
+        "per reader wake-up).",
+    ),
+    # the overload budget (--cpu-budget)
+    gauge(
+        "sampling_ratio",
+        "The overload budget's in-kernel sampling ratio, by trace id as TraceIdRatioBased "
+        "(1: every request is sent).",
+    ),
+    gauge("agent_cpu_share", "The agent's CPU over the last second, as a share of one CPU."),
+    counter(
+        "requests_sampled_out",
+        "Requests the overload budget kept in the kernel, by server port (not a loss: "
+        "counted and timed there; kernel_sampled_out_budget is their total).",
+        "port",
+        copied=True,
+    ),
+    counter(
+        "requests_sampled_out_seconds",
+        "Summed latency (first byte queued to last byte written) of requests_sampled_out.",
+        "port",
+        copied=True,
+    ),
     # enrich -> spans
     counter(
         "traceparent_rejected",
@@ -162,6 +200,15 @@ METRICS: tuple[Metric, ...] = (
         values={"signal": PROBE_SIGNALS},
     ),
     gauge("probes_loaded", "1 while the BPF programs are attached."),
+    gauge(
+        "cuda_files",
+        "CUDA libraries (and executables with a static runtime) found with --cuda, by state: "
+        "probed, or not_probeable (the log and `tracejoin doctor` say why).",
+        "state",
+        values={"state": ("probed", "not_probeable")},
+    ),
+    gauge("cuda_uprobes", "Uprobes attached to CUDA calls (entries, and returns where needed)."),
+    counter("cuda_rescan_errors", "Rescans for CUDA libraries that raised (the agent goes on)."),
     gauge("probe_load_seconds", "Seconds compiling and attaching the BPF programs."),
     gauge("ready", "1 while /readyz answers 200."),
     gauge("build_info", "Always 1; the version label is tracejoin's.", "version"),
@@ -189,7 +236,10 @@ METRICS: tuple[Metric, ...] = (
         "fd went away).",
         "what",
         "reason",
-        values={"what": ("fd", "netns", "exe"), "reason": ("denied", "gone")},
+        values={
+            "what": ("fd", "netns", "exe", "process_context", "environ", "otlp_connection"),
+            "reason": ("denied", "gone"),
+        },
     ),
     counter(
         "capture_tick_errors",
@@ -214,6 +264,28 @@ METRICS: tuple[Metric, ...] = (
         "Served processes that had exited before /proc could be read (their spans say "
         "service.name unknown_service).",
     ),
+    counter(
+        "service_name_resolved",
+        "Process resources built, by where their service.name came from "
+        "(docs/attributes.md, service.name).",
+        "source",
+        values={"source": SERVICE_NAME_SOURCES},
+    ),
+    counter(
+        "process_context_invalid",
+        "OTEL_CTX mappings (OTEP 4719) that held no readable context, by reason: signature, "
+        "version, size (payload size or address out of bounds), torn (rewritten during every "
+        "read), decode (not a protobuf Resource).",
+        "reason",
+        values={"reason": PROCESS_CONTEXT_INVALID},
+    ),
+    counter(
+        "process_inspection_late",
+        "First lookups of a process that went on without its inspection (its maps, environment "
+        "and connections took over 100 ms to read, or another process was waited for less than "
+        "1 s before): its first spans use the sources known without it.",
+    ),
+    counter("process_inspection_errors", "Process inspections that raised (they go on)."),
     counter("kubelet_refreshes", "Pod lists read from the kubelet."),
     counter(
         "kubelet_errors",

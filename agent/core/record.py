@@ -71,6 +71,24 @@ WSF_TRACKED = 0x01
 WSF_CAP = 0x02
 WSF_NO_GAP = 0x04
 WSF_STATS = 0x08
+WSF_CUDA = 0x80
+
+# CUDA calls of a request's work set (CSIG_*): indices into CudaBlock.own/shared
+CSIG_MEMCPY_H2D = 0
+CSIG_MEMCPY_D2H = 1
+CSIG_MEMCPY_D2D = 2
+CSIG_MEMCPY_OTHER = 3
+CSIG_MEMCPY_CALLS = 4
+CSIG_SYNC_NS = 5
+CSIG_SYNC_CALLS = 6
+CSIG_GRAPH_LAUNCHES = 7
+CSIG_LAUNCHES = 8
+CSIG_ALLOC_BYTES = 9
+CSIG_ALLOC_CALLS = 10
+CSIG_FREE_CALLS = 11
+CSIG_ERRORS = 12
+CSIG_COUNT = 13
+CUDA_WAIT_SLOTS = 4
 
 # slots of the `progs` prog_array
 PROG_SCAN_REQ = 0
@@ -102,6 +120,7 @@ CNT_UNTRUSTED_UNSCANNED = 16
 CNT_WORKSET_FULL = 20
 CNT_WORKSET_LOST = 21
 CNT_WORKSET_REFS_FULL = 22
+CNT_SAMPLED_OUT_BUDGET = 23
 CNT_H2_CONNECTIONS = 32
 CNT_H2_STREAMS_FULL = 33
 CNT_H2_FRAME_INVALID = 34
@@ -112,6 +131,9 @@ CNT_H2_DYN_UNRESOLVED = 38
 CNT_H2_DYN_BEYOND = 39
 CNT_H2_STATE_LOST = 40
 CNT_H2_HEADERS_CUT = 41
+CNT_CUDA_UNATTRIBUTED = 46
+CNT_CUDA_NESTED = 47
+CNT_CUDA_ACC_LOST = 48
 CNT_MAX = 64
 
 # CNT_FOO is exported as `kernel_foo`: index -> name, and each name's help text.
@@ -136,6 +158,7 @@ KERNEL_COUNTERS: dict[int, str] = {
     CNT_WORKSET_FULL: "workset_full",
     CNT_WORKSET_LOST: "workset_lost",
     CNT_WORKSET_REFS_FULL: "workset_refs_full",
+    CNT_SAMPLED_OUT_BUDGET: "sampled_out_budget",
     CNT_H2_CONNECTIONS: "h2_connections",
     CNT_H2_STREAMS_FULL: "h2_streams_full",
     CNT_H2_FRAME_INVALID: "h2_frame_invalid",
@@ -146,6 +169,9 @@ KERNEL_COUNTERS: dict[int, str] = {
     CNT_H2_DYN_BEYOND: "h2_dyn_beyond",
     CNT_H2_STATE_LOST: "h2_state_lost",
     CNT_H2_HEADERS_CUT: "h2_headers_cut",
+    CNT_CUDA_UNATTRIBUTED: "cuda_unattributed",
+    CNT_CUDA_NESTED: "cuda_nested",
+    CNT_CUDA_ACC_LOST: "cuda_acc_lost",
 }
 KERNEL_COUNTER_HELP: dict[str, str] = {
     "records_submitted": "Records the kernel tried to emit (one per request)",
@@ -179,6 +205,8 @@ KERNEL_COUNTER_HELP: dict[str, str] = {
     "workset_full": "Wakes not followed: the request's work set already had WS_MAX threads",
     "workset_lost": "Requests whose work set was lost before their response (no work-set values)",
     "workset_refs_full": "Threads that joined more than WS_REFS open work sets at once",
+    "sampled_out_budget": "Requests the overload budget's sampling ratio kept in the kernel "
+    "(counted and aggregated per endpoint; not a loss)",
     "h2_connections": "Connections that became HTTP/2 (client preface seen)",
     "h2_streams_full": "HTTP/2 streams not tracked: their per-connection slot was taken "
     "(more than 256 open at once)",
@@ -195,7 +223,39 @@ KERNEL_COUNTER_HELP: dict[str, str] = {
     "h2_state_lost": "HTTP/2 stream or connection state evicted before the stream ended",
     "h2_headers_cut": "HTTP/2 streams that ended (framing lost, reset, close) before their "
     "request headers did: not emitted, since their traceparent is unknown",
+    "cuda_unattributed": "Probed CUDA calls by a thread in no open request's work set "
+    "(work outside requests, or a worker that polls: no thread link)",
+    "cuda_nested": "Probed CUDA calls made beneath another probed call (a runtime call's "
+    "driver call): counted once, by the outer call",
+    "cuda_acc_lost": "CUDA calls not added to a request: its CUDA sums could not be created",
 }
+
+# the overload budget's in-kernel sampling and the per-endpoint aggregates of what it shed
+AGG_BUCKETS = 24
+AGG_ENTRIES = 1024
+AGG_SHED = 1
+
+
+class Sampling(ctypes.Structure):
+    """Mirror of struct sampling (the `sampling` array's one entry)."""
+
+    _fields_ = (("bound", ctypes.c_uint64), ("active", ctypes.c_uint32), ("_pad", ctypes.c_uint32))
+
+
+class AggKey(ctypes.Structure):
+    """Mirror of struct agg_key."""
+
+    _fields_ = (("pid", ctypes.c_uint32), ("lport", ctypes.c_uint16), ("why", ctypes.c_uint16))
+
+
+class AggVal(ctypes.Structure):
+    """Mirror of struct agg_val: requests, summed latency, log2-µs latency buckets."""
+
+    _fields_ = (
+        ("count", ctypes.c_uint64),
+        ("sum_ns", ctypes.c_uint64),
+        ("hist", ctypes.c_uint64 * AGG_BUCKETS),
+    )
 
 
 class RunqWait(ctypes.Structure):
@@ -224,6 +284,28 @@ class WsMember(ctypes.Structure):
         """The thread name as the kernel holds it (up to 16 bytes, NUL-terminated)."""
         raw = ctypes.string_at(ctypes.addressof(self) + WsMember.comm.offset, 16)
         return raw.split(b"\0", 1)[0]
+
+
+class CudaWait(ctypes.Structure):
+    """Mirror of struct cuda_wait: one synchronisation call (api: its row in CUDA_APIS)."""
+
+    _fields_ = (
+        ("start_ns", ctypes.c_uint64),
+        ("dur_ns", ctypes.c_uint64),
+        ("tid", ctypes.c_uint32),
+        ("api", ctypes.c_uint16),
+        ("shared", ctypes.c_uint16),
+    )
+
+
+class CudaBlock(ctypes.Structure):
+    """Mirror of struct cuda_block: the CUDA calls of a request's work set, by CSIG_*."""
+
+    _fields_ = (
+        ("own", ctypes.c_uint64 * CSIG_COUNT),
+        ("shared", ctypes.c_uint64 * CSIG_COUNT),
+        ("waits", CudaWait * CUDA_WAIT_SLOTS),
+    )
 
 
 class HttpRecord(ctypes.Structure):
@@ -287,6 +369,7 @@ class HttpRecord(ctypes.Structure):
         ("ws_flags", ctypes.c_uint8),
         ("_pad2", ctypes.c_uint32),
         ("members", WsMember * WS_SLOTS),
+        ("cuda", CudaBlock),
     )
 
     def method_str(self) -> str:
@@ -315,5 +398,6 @@ class HttpRecord(ctypes.Structure):
         return raw[: min(self.tp_len, TP_CAP)]
 
 
-# A record ends after its last used work-set member (bpf/http_enrich.h record_size).
+# A record ends after its last used work-set member (bpf/http_enrich.h record_size), unless it
+# carries CUDA sums (WSF_CUDA): then it is sent whole.
 REC_HTTP_FIXED_SIZE = HttpRecord.members.offset

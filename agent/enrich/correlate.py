@@ -28,6 +28,12 @@ _NEEDS = {
     "netns": "CAP_SYS_PTRACE: connections older than the agent keep no addresses where "
     "tcp:tcp_rcv_space_adjust cannot give them",
     "exe": "CAP_SYS_PTRACE: process.executable.name is the 15-character comm instead",
+    "process_context": "CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH: the service.name a process "
+    "publishes (OTEP 4719) is not read; the next source names it",
+    "environ": "CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH: OTEL_SERVICE_NAME of a process is not "
+    "read (--read-environ); the next source names it",
+    "otlp_connection": "CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH: an instrumented service is not "
+    "found by its connection to an OTLP port (--instrumented-services can say it)",
 }
 
 
@@ -96,7 +102,23 @@ class Endpoints:
     peer_port: int
 
 
+_ADDR_CACHE_MAX = 4096
+_addr_cache: dict[tuple[int, bytes], str] = {}
+
+
 def _addr(family: int, raw: bytes) -> str:
+    """The address as text; cached, since a host's peers repeat (two ipaddress objects per
+    record cost ~2 µs, most of the tuple's share of a span)."""
+    key = (family, raw)
+    text = _addr_cache.get(key)
+    if text is None:
+        if len(_addr_cache) >= _ADDR_CACHE_MAX:
+            _addr_cache.clear()
+        text = _addr_cache[key] = _addr_text(family, raw)
+    return text
+
+
+def _addr_text(family: int, raw: bytes) -> str:
     if family == socket.AF_INET:
         return str(ipaddress.IPv4Address(raw[:4]))
     addr = ipaddress.IPv6Address(raw[:16])

@@ -23,6 +23,7 @@ from tracejoin.enrich.correlate import (
     sampling_decision,
     trace_context,
 )
+from tracejoin.enrich.resources import ServedProcess
 from tracejoin.kernel.decode import HttpRecord
 
 
@@ -39,6 +40,9 @@ class EnrichedRecord:
     gpu: dict[str, AttrValue] = field(default_factory=dict)  # filled by the GPU join
     # process name of each work-set helper's process other than the reader's (by pid)
     process_names: dict[int, str] = field(default_factory=dict)
+    service_name_source: str | None = None  # tracejoin.service_name.source; None: not known
+    # how the serving process is known to make its own SERVER spans; None: it does not
+    instrumented: str | None = None
 
     def epoch_ns(self, mono_ns: int) -> int:
         return mono_ns + self.clock_offset_ns
@@ -57,7 +61,8 @@ class Enricher:
     def __init__(
         self,
         metrics: Metrics,
-        resource_for_pid: Callable[[int], Resource],
+        # the resolver's `served` (a bare Resource: the process's naming is not known)
+        resource_for_pid: Callable[[int], Resource | ServedProcess],
         *,
         no_parent: str = "root",  # no valid traceparent: "root" (a new trace) or "skip"
         unsampled: str = "follow",  # caller did not sample: "follow" (no span) or "record"
@@ -88,17 +93,24 @@ class Enricher:
             trace_id, parent_id, flags = ctx.trace_id, ctx.parent_id, ctx.flags
         else:
             trace_id, parent_id, flags = self.new_id(128), 0, 1
+        served = self._served(rec.pid)
         return EnrichedRecord(
             rec=rec,
             trace_id=trace_id,
             parent_id=parent_id,
             trace_flags=flags,
             clock_offset_ns=self.clock.offset_ns(),
-            resource=self.resource_for_pid(rec.pid),
+            resource=served.resource,
             endpoints=self.conns.endpoints(rec),
             rejected=ctx if isinstance(ctx, str) else None,
             process_names=self._helper_processes(rec),
+            service_name_source=served.service_name_source or None,
+            instrumented=served.instrumented,
         )
+
+    def _served(self, pid: int) -> ServedProcess:
+        got = self.resource_for_pid(pid)
+        return got if isinstance(got, ServedProcess) else ServedProcess(got, "")
 
     def _helper_processes(self, rec: HttpRecord) -> dict[int, str]:
         """Names of the processes the work set reached besides the reader's, from their
@@ -106,7 +118,7 @@ class Enricher:
         names: dict[int, str] = {}
         for m in rec.members[: min(rec.ws_nslots, WS_SLOTS)]:
             if m.pid and m.pid != rec.pid and m.pid not in names:
-                names[m.pid] = process_name(self.resource_for_pid(m.pid), m.pid)
+                names[m.pid] = process_name(self._served(m.pid).resource, m.pid)
         return names
 
 

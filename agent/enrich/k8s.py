@@ -7,7 +7,8 @@ Where each value comes from:
   - k8s.pod.name, k8s.namespace.name, k8s.container.name, the workload and the derived
     service.name: the kubelet's pod list, only when --kubelet-url is set;
   - k8s.node.name: --node-name / NODE_NAME (the downward API's spec.nodeName).
-Never from the served process's environment: it can hold secrets.
+Never from the served process's environment: it can hold secrets (only resources.py reads two
+OTEL_* variables of it, with --read-environ).
 
 The kubelet is asked from a background thread (PodCache), never from the thread that reads the
 ring buffer: when a pod's container is not in the last list (at most once per MIN_REFRESH_S, a
@@ -153,6 +154,7 @@ class PodMeta:
     owner_kind: str | None = None
     owner_name: str | None = None
     template_hash: str | None = None  # label pod-template-hash
+    app_name: str | None = None  # label app.kubernetes.io/name
     otel_annotations: tuple[tuple[str, str], ...] = ()  # resource.opentelemetry.io/<key>
 
 
@@ -179,6 +181,7 @@ def lookup(index: PodIndex, info: CgroupInfo) -> tuple[PodMeta | None, str | Non
     return None, None, mismatch
 
 
+APP_NAME_LABEL = "app.kubernetes.io/name"
 _RUNTIME_PREFIX = re.compile(r"^[a-z0-9.+-]+://")
 _ANNOTATION_PREFIX = "resource.opentelemetry.io/"
 # Keys tracejoin itself measures or detects: an annotation must not relabel them.
@@ -238,6 +241,7 @@ def parse_pod_list(doc: Any) -> PodIndex:
             owner_kind=kind,
             owner_name=owner,
             template_hash=_str(labels.get("pod-template-hash")),
+            app_name=_str(labels.get(APP_NAME_LABEL)),
             otel_annotations=otel,
         )
         index.by_uid[uid] = meta
@@ -259,8 +263,9 @@ _RS_HASH = re.compile(r"^(.+)-[bcdfghjklmnpqrstvwxz2456789]{5,10}$")
 
 def workload_attributes(meta: PodMeta, node_name: str | None = None) -> dict[str, AttrValue]:
     """k8s.<workload>.name attributes and the service.name the OTel k8s conventions derive:
-    the resource.opentelemetry.io/service.name annotation, else the Deployment, ReplicaSet,
-    StatefulSet, DaemonSet or Job name, else the pod name."""
+    the resource.opentelemetry.io/service.name annotation, else the app.kubernetes.io/name
+    label, else the Deployment, ReplicaSet, StatefulSet, DaemonSet or Job name, else the pod
+    name (k8s_service_name_source says which)."""
     attrs: dict[str, AttrValue] = {}
     kind, owner = meta.owner_kind, meta.owner_name
     service = None
@@ -280,11 +285,19 @@ def workload_attributes(meta: PodMeta, node_name: str | None = None) -> dict[str
         service = owner
     elif kind == "Node" and node_name and meta.name.endswith("-" + node_name):
         service = meta.name[: -len(node_name) - 1]  # a static pod: "<name>-<node>"
-    attrs["service.name"] = service or meta.name
+    attrs["service.name"] = meta.app_name or service or meta.name
     attrs["service.namespace"] = meta.namespace
     for key, value in meta.otel_annotations:
         attrs[key] = value  # includes service.name / service.namespace when annotated
     return attrs
+
+
+def k8s_service_name_source(meta: PodMeta) -> str:
+    """Where workload_attributes took service.name from: k8s_annotation, k8s_label or
+    k8s_workload (a workload's name, or the pod's)."""
+    if any(key == "service.name" for key, _ in meta.otel_annotations):
+        return "k8s_annotation"
+    return "k8s_label" if meta.app_name else "k8s_workload"
 
 
 class KubeletError(Exception):

@@ -11,9 +11,21 @@ waits for the network and never holds a lock across I/O:
     container not in it yet asks for a refresh and gets what the cgroup gives (container.id,
     k8s.pod.uid) meanwhile; once the refresh lands, the next lookup rebuilds the resource.
 
+  - what the process says about itself (its OTEP 4719 process context; with --read-environ,
+    OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES of its environment) and whether it holds a
+    connection to an OTLP port come from a ProcessInspector, which reads them on a thread of its
+    own, per (pid, start time), and refreshes them.
+
 Attribute precedence, lowest first: OTEL_RESOURCE_ATTRIBUTES (keys that describe the node or
 cluster only), the process (service.name = its name, process.*, host.name, telemetry.sdk.*),
-the container and pod, `static` (tracejoin.tlb.mode), and --service-name / OTEL_SERVICE_NAME.
+the container and pod, the process's environment (--read-environ), its published process
+context, `static` (tracejoin.tlb.mode), and --service-name / OTEL_SERVICE_NAME. So service.name
+is, first found: --service-name, the process context, the environment, the pod (annotation,
+app.kubernetes.io/name label, workload), the process name (SERVICE_NAME_SOURCES).
+
+Instrumented (the process makes its own SERVER spans; tracejoin's span is then INTERNAL): the
+per-service list (--instrumented-services), else --instrumented yes/no, else (auto) a published
+process context (certain), else a connection to an OTLP port (a heuristic, said on the span).
 """
 
 from __future__ import annotations
@@ -34,12 +46,14 @@ from tracejoin import __version__
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import AttrValue, Resource
 from tracejoin.enrich.correlate import ProcReads
+from tracejoin.enrich.inspector import Inspection, ProcessInspector
 from tracejoin.enrich.k8s import (
     SYNC_TIMEOUT_S,
     CgroupInfo,
     KubeletClient,
     PodCache,
     PodIndex,
+    k8s_service_name_source,
     lookup,
     read_cgroup,
     workload_attributes,
@@ -50,6 +64,20 @@ log = logging.getLogger(__name__)
 REVALIDATE_S = 1.0  # how long a pid's facts are trusted before /proc is read again
 MAX_ENTRIES = 4096
 UNKNOWN_SERVICE = "unknown_service"  # the OpenTelemetry default when no name is known
+# Where service.name came from, first found first (tracejoin.service_name.source on spans).
+SERVICE_NAME_SOURCES = (
+    "config",  # --service-name / OTEL_SERVICE_NAME of the agent: every span
+    "process_context",  # the resource the process published (OTEP 4719)
+    "environ",  # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES of its environment (opt-in)
+    "k8s_annotation",  # pod annotation resource.opentelemetry.io/service.name
+    "k8s_label",  # pod label app.kubernetes.io/name
+    "k8s_workload",  # the pod's Deployment, ReplicaSet, StatefulSet, DaemonSet, Job, or the pod
+    "process_name",  # psutil's name of the process (comm, or argv[0]'s basename)
+    "unknown",  # the process was gone before it could be read
+)
+# How a process is known to make its own spans (tracejoin.instrumented.source on spans).
+INSTRUMENTED_SOURCES = ("config", "process_context", "otlp_connection")
+INSTRUMENTED_MODES = ("auto", "yes", "no")
 
 # OTEL_RESOURCE_ATTRIBUTES describes the agent. Keys that identify one process, container,
 # pod, workload or service would describe the agent's own pod, not the processes it observes
@@ -139,11 +167,36 @@ def env_resource_attributes() -> dict[str, AttrValue]:
 
 
 @dataclass(frozen=True, slots=True)
+class ServedProcess:
+    """What every span a process serves shares: its resource, where its service.name came
+    from, and whether (and how it is known that) it makes its own SERVER spans."""
+
+    resource: Resource
+    service_name_source: str  # one of SERVICE_NAME_SOURCES
+    instrumented: str | None = None  # one of INSTRUMENTED_SOURCES; None: not instrumented
+
+
+def parse_instrumented_services(items: tuple[str, ...]) -> dict[str, bool]:
+    """--instrumented-services values (`name=yes|no`, repeatable or comma-separated) ->
+    {service.name: instrumented}. ValueError names the bad item."""
+    out: dict[str, bool] = {}
+    for item in (part.strip() for value in items for part in value.split(",")):
+        if not item:
+            continue
+        name, sep, answer = item.rpartition("=")
+        if not sep or not name.strip() or answer.strip() not in ("yes", "no"):
+            raise ValueError(f"expected service.name=yes or service.name=no, got {item!r}")
+        out[name.strip()] = answer.strip() == "yes"
+    return out
+
+
+@dataclass(frozen=True, slots=True)
 class _Entry:
     facts: ProcessFacts | None  # None: the process was gone when first looked up
-    resource: Resource
+    served: ServedProcess
     valid_until: float  # clock() after which the facts are read again
     pods_generation: int  # the PodCache snapshot the resource was built from
+    inspected_generation: int  # the ProcessInspector generation it was built from
 
 
 class ResourceResolver:
@@ -162,8 +215,16 @@ class ResourceResolver:
         clock: Callable[[], float] = time.monotonic,
         revalidate_s: float = REVALIDATE_S,
         max_entries: int = MAX_ENTRIES,
+        inspector: ProcessInspector | None = None,
+        instrumented: str = "auto",
+        instrumented_services: Mapping[str, bool] | None = None,
     ) -> None:
+        if instrumented not in INSTRUMENTED_MODES:
+            raise ValueError(f"instrumented: {instrumented!r} is not one of auto, yes, no")
         self.metrics = metrics
+        self.inspector = inspector
+        self._instrumented = instrumented
+        self._instrumented_services = dict(instrumented_services or {})
         self.pods = PodCache(kubelet, metrics, clock=clock) if kubelet is not None else None
         self._service_name = service_name or None
         self._static = dict(static)
@@ -182,6 +243,8 @@ class ResourceResolver:
     def start(self, sync_timeout_s: float = SYNC_TIMEOUT_S) -> None:
         """Start the kubelet refresher; waits up to `sync_timeout_s` for the first pod list, so
         the pods already on the node are named from the first span (start-up, not a reader)."""
+        if self.inspector is not None:
+            self.inspector.start()
         if self.pods is not None:
             self.pods.start(sync_timeout_s)
 
@@ -190,18 +253,29 @@ class ResourceResolver:
         answering afterwards (from what it has)."""
         if self.pods is not None:
             self.pods.shutdown(timeout_s)
+        if self.inspector is not None:
+            self.inspector.shutdown(timeout_s)
 
     def resource(self, pid: int) -> Resource:
+        return self.served(pid).resource
+
+    def served(self, pid: int) -> ServedProcess:
         now = self._clock()
         generation, index = self.pods.snapshot if self.pods is not None else (0, None)
+        inspected = self.inspector.generation if self.inspector is not None else 0
         with self._lock:
             entry = self._cache.get(pid)
             fresh = entry is not None and now < entry.valid_until
-            if fresh and entry is not None and entry.pods_generation == generation:
+            if (
+                fresh
+                and entry is not None
+                and entry.pods_generation == generation
+                and entry.inspected_generation == inspected
+            ):
                 self._cache.move_to_end(pid)
-                return entry.resource
+                return entry.served
         if fresh and entry is not None:
-            facts = entry.facts  # only the pod list changed: rebuild, no /proc read
+            facts = entry.facts  # only the pod list or an inspection changed: no /proc read
             valid_until = entry.valid_until
         else:
             facts = self._facts(pid)
@@ -215,25 +289,41 @@ class ResourceResolver:
                 and entry.facts.start_time != facts.start_time
             ):
                 self.metrics.inc("resource_pid_reused")
-        resource, result, mismatch = self._build(pid, facts, index)
-        if entry is not None and entry.resource == resource:
-            resource = entry.resource  # unchanged: keep the object exporters group by
+        # off the reader thread: a cached answer, or (a new process) a bounded wait for one
+        inspection = (
+            self.inspector.get((pid, facts.start_time))
+            if self.inspector is not None and facts is not None
+            else None
+        )
+        if self.inspector is not None:
+            inspected = self.inspector.generation
+        served, result, mismatch = self._build(pid, facts, index, inspection)
+        if entry is not None and entry.served == served:
+            served = entry.served  # unchanged: keep the resource object exporters group by
         else:
             self.metrics.inc("k8s_resolved", result=result)
+            self.metrics.inc("service_name_resolved", source=served.service_name_source)
             if mismatch:
                 self.metrics.inc("kubelet_uid_mismatch")
         with self._lock:
-            self._cache[pid] = _Entry(facts, resource, valid_until, generation)
+            self._cache[pid] = _Entry(facts, served, valid_until, generation, inspected)
             self._cache.move_to_end(pid)
             while len(self._cache) > self._max_entries:
                 self._cache.popitem(last=False)
-        return resource
+        return served
 
     def _build(
-        self, pid: int, facts: ProcessFacts | None, index: PodIndex | None
-    ) -> tuple[Resource, str, bool]:
+        self,
+        pid: int,
+        facts: ProcessFacts | None,
+        index: PodIndex | None,
+        inspection: Inspection | None = None,
+    ) -> tuple[ServedProcess, str, bool]:
         attrs: dict[str, AttrValue] = dict(self._env)
-        attrs["service.name"] = facts.name if facts is not None and facts.name else UNKNOWN_SERVICE
+        if facts is not None and facts.name:
+            attrs["service.name"], source = facts.name, "process_name"
+        else:
+            attrs["service.name"], source = UNKNOWN_SERVICE, "unknown"
         attrs["host.name"] = self._host
         attrs["process.pid"] = pid
         if facts is not None and facts.executable:
@@ -243,47 +333,79 @@ class ResourceResolver:
         attrs["telemetry.sdk.version"] = __version__
         if self._node_name:
             attrs["k8s.node.name"] = self._node_name
-        result, mismatch = self._container(
+        result, mismatch, k8s_source = self._container(
             attrs, facts.cgroup if facts is not None else None, index
         )
+        source = k8s_source or source
+        if inspection is not None:
+            # what the process says of itself: lowest the environment, then its context
+            for said, said_source in (
+                (inspection.environ, "environ"),
+                (inspection.context, "process_context"),
+            ):
+                if said:
+                    attrs.update(said)
+                    if "service.name" in said:
+                        source = said_source
         attrs.update(self._static)
         if self._service_name:
-            attrs["service.name"] = self._service_name
-        return Resource(tuple(attrs.items())), result, mismatch
+            attrs["service.name"], source = self._service_name, "config"
+        resource = Resource(tuple(attrs.items()))
+        instrumented = self._instrumented_source(str(attrs["service.name"]), inspection)
+        return ServedProcess(resource, source, instrumented), result, mismatch
+
+    def _instrumented_source(self, service: str, inspection: Inspection | None) -> str | None:
+        """How the process is known to make its own SERVER spans; None when it is not."""
+        listed = self._instrumented_services.get(service)
+        if listed is not None:
+            return "config" if listed else None
+        if self._instrumented != "auto":
+            return "config" if self._instrumented == "yes" else None
+        if inspection is None:
+            return None
+        if inspection.context is not None:
+            return "process_context"  # only an SDK publishes one
+        if inspection.otlp_connected:
+            return "otlp_connection"  # a heuristic
+        return None
 
     def _container(
         self, attrs: dict[str, AttrValue], info: CgroupInfo | None, index: PodIndex | None
-    ) -> tuple[str, bool]:
-        """Add what the cgroup and the pod list say; returns the k8s_resolved result and
-        whether the pod list contradicted the cgroup's pod UID."""
+    ) -> tuple[str, bool, str | None]:
+        """Add what the cgroup and the pod list say; returns the k8s_resolved result, whether
+        the pod list contradicted the cgroup's pod UID, and the service.name source of a pod."""
         if info is None:
-            return "host", False
+            return "host", False, None
         attrs["container.id"] = info.container_id
         if info.runtime:
             attrs["container.runtime.name"] = info.runtime
         if info.pod_uid is None:
-            return "container", False  # a container outside Kubernetes: no kubelet knows it
+            return "container", False, None  # a container outside Kubernetes: no kubelet
         attrs["k8s.pod.uid"] = info.pod_uid
         if index is None or self.pods is None:
-            return "container", False
+            return "container", False, None
         meta, cname, mismatch = lookup(index, info)
         if cname is None and not mismatch:
             # not in the list yet: refresh in the background (a contradicting answer is not
             # one a refresh changes: container ids are never reused)
             self.pods.want(info.container_id)
         if meta is None:
-            return "container", mismatch
+            return "container", mismatch, None
         attrs["k8s.pod.name"] = meta.name
         attrs["k8s.namespace.name"] = meta.namespace
         if cname:
             attrs["k8s.container.name"] = cname
         attrs.update(workload_attributes(meta, self._node_name))
-        return "pod", mismatch
+        return "pod", mismatch, k8s_service_name_source(meta)
 
 
 __all__ = [
+    "INSTRUMENTED_SOURCES",
+    "SERVICE_NAME_SOURCES",
     "ProcessFacts",
     "ResourceResolver",
+    "ServedProcess",
     "env_resource_attributes",
+    "parse_instrumented_services",
     "read_process_facts",
 ]

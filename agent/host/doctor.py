@@ -20,6 +20,7 @@ import os
 import platform
 import re
 import resource
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tracejoin.kernel import probes
+from tracejoin.kernel.features import FeatureResult, probe_features
 from tracejoin.kernel.perf import (
     PERF_COUNT_HW_CACHE_DTLB,
     PERF_COUNT_HW_CACHE_ITLB,
@@ -147,6 +149,41 @@ class DoctorOptions:
     perf_open: PerfOpen | None = None  # default: the real perf_event_open(2)
     bpf_trial: Callable[[], ProbeResult] | None = None  # default: bpf_trial_load
     nvml_probe: Callable[[], ProbeResult] | None = None  # default: nvml_status
+    bpf_features: Callable[[], list[FeatureResult]] | None = None  # default: probe_features
+
+
+# --- a running agent --------------------------------------------------------------------------
+
+_GAUGE = re.compile(
+    r"^tracejoin_(sampling_ratio|agent_cpu_share|kernel_sampled_out_budget_total) (\S+)$", re.M
+)
+
+
+def running_agent(
+    port: int, host: str = "127.0.0.1", timeout_s: float = 0.5
+) -> dict[str, float] | None:
+    """The overload budget's state of the agent serving /metrics on host:port (in the agent's
+    pod, `kubectl exec ... tracejoin doctor` reaches it there): its sampling ratio, its CPU share
+    and what it shed. None when no agent answers."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout_s) as r:
+            text = r.read(1 << 20).decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return None
+    found = {name: float(value) for name, value in _GAUGE.findall(text)}
+    return found if "sampling_ratio" in found else None
+
+
+def running_agent_text(port: int, state: dict[str, float] | None) -> str:
+    if state is None:
+        return f"Running agent: none answering on 127.0.0.1:{port} (its sampling ratio shows here)"
+    return (
+        f"Running agent (127.0.0.1:{port}): sampling ratio {state['sampling_ratio']:.4g} "
+        f"(CPU budget), agent at {state.get('agent_cpu_share', 0.0):.2f} of a CPU, "
+        f"{int(state.get('kernel_sampled_out_budget_total', 0))} requests sampled out"
+    )
 
 
 # --- the report ----------------------------------------------------------------------------
@@ -269,18 +306,53 @@ def run_checks(options: DoctorOptions | None = None) -> Report:
     root = opts.sysroot
     kver = kernel_version(release)
     tracefs, tracefs_check = check_tracefs(root)
-    checks = [check_privileges(root, kver), tracefs_check, check_btf(root)]
+    checks = [check_privileges(root, kver), check_kernel_release(release), tracefs_check]
+    checks.append(check_btf(root))
     checks += check_tracepoints(tracefs, opts.required_tracepoints, True, opts.disabled_tracepoints)
     checks += check_tracepoints(
         tracefs, opts.optional_tracepoints, False, opts.disabled_tracepoints
     )
     checks += check_perf_events(root, opts.perf_open or perf_event_open)
     checks += [check_uprobes(root, tracefs), check_kprobes(root, tracefs)]
+    checks += check_bpf_features(opts.bpf_features or probe_features)
     checks.append(check_headers(root, release))
     checks.append(_from_probe("bpf trial load", "BPF", True, opts.bpf_trial or bpf_trial_load))
     checks.append(_from_probe("nvml", "GPU", False, opts.nvml_probe or nvml_status))
+    checks.append(check_cuda(root))
     signals = derive_signals(checks, opts)
     return Report(checks, signals, release, duration_s=time.monotonic() - t0)
+
+
+def check_cuda(root: Path) -> Check:
+    """The CUDA libraries processes map now (what `--cuda` would probe), and what could not be
+    probed, with why. Optional, and only informative: a library mapped later is found then."""
+    from tracejoin.kernel.cuda import discover
+
+    try:
+        files, notes = discover(probes.bpf_source_dir() / "cuda.h", root / "proc")
+    except Exception as e:  # never crash a doctor on one process's odd files
+        return Check("cuda libraries", "GPU", Status.UNAVAILABLE, f"scan failed: {e}")
+    ok = [f for f in files if not f.error]
+    lines = [
+        f"{f.path} ({f.kind}): "
+        + (f"{len(f.symbols)} probed calls" if not f.error else f"not probeable: {f.error}")
+        + f"; pids {', '.join(str(p) for p in sorted(f.pids)[:8])}"
+        for f in files
+    ]
+    lines += [f"pid {pid}: {why}" for pid, why in sorted(notes.items())]
+    data = {
+        "files": [
+            {"path": f.path, "kind": f.kind, "calls": list(f.symbols), "error": f.error}
+            for f in files
+        ],
+        "not_probeable": {str(pid): why for pid, why in notes.items()},
+    }
+    if not files:
+        detail = "no process maps libcudart or libcuda now (--cuda finds them when they do)"
+        return Check("cuda libraries", "GPU", Status.UNAVAILABLE, detail, notes=lines, data=data)
+    status = Status.AVAILABLE if ok else Status.UNAVAILABLE
+    detail = f"{len(ok)} of {len(files)} CUDA files probeable with --cuda"
+    return Check("cuda libraries", "GPU", status, detail, notes=lines, data=data)
 
 
 def _from_probe(name: str, group: str, required: bool, probe: Callable[[], ProbeResult]) -> Check:
@@ -436,6 +508,26 @@ def _memlock_unlimited() -> bool:
 
 # --- kernel interfaces ---------------------------------------------------------------------
 
+
+def check_kernel_release(release: str) -> Check:
+    """The release against tracejoin's minimum. Informational: the tracepoint checks decide,
+    since a distribution kernel may carry the tracepoints as a backport."""
+    kver = kernel_version(release)
+    data = {"release": release, "minimum": probes.MIN_KERNEL_TEXT}
+    if kver >= probes.MIN_KERNEL:
+        detail = f"{release} (tracejoin needs >= {probes.MIN_KERNEL_TEXT})"
+        return Check("kernel release", "Kernel", Status.AVAILABLE, detail, data=data)
+    return Check(
+        "kernel release",
+        "Kernel",
+        Status.UNAVAILABLE,
+        f"{release} is older than {probes.MIN_KERNEL_TEXT}, the first release with "
+        f"{probes.MIN_KERNEL_WHY}; the tracepoint checks below say whether this kernel has them",
+        fix=f"kernel >= {probes.MIN_KERNEL_TEXT}",
+        data=data,
+    )
+
+
 TRACEFS_CANDIDATES = ("sys/kernel/tracing", "sys/kernel/debug/tracing")
 
 
@@ -517,13 +609,15 @@ def _tracepoint(
             Status.UNAVAILABLE,
             f"events/{category}/{event}/format not readable ({reason}); {lost}",
             required,
-            fix=_tracepoint_fix(category),
+            fix=_tracepoint_fix(category, tp),
             data=data,
         )
     return Check(name, group, Status.AVAILABLE, "present", required, data=data)
 
 
-def _tracepoint_fix(category: str) -> str:
+def _tracepoint_fix(category: str, tp: str = "") -> str:
+    if tp in probes.MIN_KERNEL_TRACEPOINTS:
+        return f"kernel >= {probes.MIN_KERNEL_TEXT}: {probes.MIN_KERNEL_WHY}"
     if category == "syscalls":
         return "a kernel built with CONFIG_FTRACE_SYSCALLS=y"
     return f"a kernel that has this {category} tracepoint (newer kernel, or its config option)"
@@ -618,6 +712,32 @@ def check_kprobes(root: Path, tracefs: Path | None) -> Check:
     status = Status.AVAILABLE if found else Status.UNAVAILABLE
     detail = (", ".join(found) if found else "absent") + f"; {not_needed}"
     return Check("kprobes", "Probe types", status, detail, data={"needed": False})
+
+
+# --- BPF features --------------------------------------------------------------------------
+
+
+def check_bpf_features(probe: Callable[[], list[FeatureResult]]) -> list[Check]:
+    try:
+        results = probe()
+    except Exception as e:  # a doctor reports a broken probe; it never crashes on one
+        return [Check("bpf features", "BPF features", Status.UNAVAILABLE, f"probe raised {e!r}")]
+    out = []
+    for r in results:
+        f = r.feature
+        use = f"used by {f.used}" if f.used else "not used by tracejoin's programs yet"
+        data = {"feature": f.name, "since": f.since, "used": f.used, "available": r.available}
+        if r.available:
+            status, detail, fix = Status.AVAILABLE, f"{r.detail}; {use}", None
+        else:
+            status, detail = Status.UNAVAILABLE, f"{r.detail}; {use}"
+            fix = None if r.available is None else f"kernel >= {f.since}"
+        # "cannot tell" (no permission) never blocks: the privileges check says why
+        required = f.required and r.available is not None
+        out.append(
+            Check(f"bpf {f.name}", "BPF features", status, detail, required, fix=fix, data=data)
+        )
+    return out
 
 
 # --- kernel headers ------------------------------------------------------------------------
@@ -734,17 +854,23 @@ def _bcc_errors(text: str) -> str:
 
 
 class _Fd2Capture:
-    """Redirect file descriptor 2 into a temp file: libbcc prints compile errors there."""
+    """Redirect file descriptors 2 and 1 into a temp file: libbcc prints compile errors on 2,
+    and "Unable to find kernel headers" on 1, which would corrupt `doctor --json` (found by the
+    kernel matrix, on a guest without headers)."""
 
     def __enter__(self) -> _Fd2Capture:
+        sys.stdout.flush()
         self._file = tempfile.TemporaryFile()
-        self._saved = os.dup(2)
+        self._saved = [os.dup(2), os.dup(1)]
         os.dup2(self._file.fileno(), 2)
+        os.dup2(self._file.fileno(), 1)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        os.dup2(self._saved, 2)
-        os.close(self._saved)
+        os.dup2(self._saved[0], 2)
+        os.dup2(self._saved[1], 1)
+        for fd in self._saved:
+            os.close(fd)
 
     def text(self) -> str:
         self._file.seek(0)

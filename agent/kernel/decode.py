@@ -37,6 +37,7 @@ from tracejoin.core.record import (
     RUNQ_SLOTS,
     TP_CAP,
     WS_SLOTS,
+    WSF_CUDA,
     HttpRecord,
     RunqWait,
     WsMember,
@@ -70,11 +71,13 @@ Decoder = Callable[[bytes], object]
 
 
 def decode_http(data: bytes) -> HttpRecord | None:
-    """An HTTP record from its fixed part plus the work-set members it says it uses; None when
-    the bytes hold fewer members than that (short)."""
+    """An HTTP record from its fixed part plus the work-set members it says it uses (all of it
+    with WSF_CUDA); None when the bytes hold less than that (short)."""
     rec = HttpRecord.from_buffer_copy(data.ljust(_HTTP_SIZE, b"\0"))
     if len(data) < REC_HTTP_FIXED_SIZE + min(rec.ws_nslots, WS_SLOTS) * _MEMBER_SIZE:
         return None
+    if rec.ws_flags & WSF_CUDA and len(data) < _HTTP_SIZE:
+        return None  # says it carries CUDA sums, and does not
     if rec.h2_flags & (H2F_TP_HUFF | H2F_PATH_HUFF | H2F_METHOD_HUFF):
         _h2_decode_values(rec)
     return rec

@@ -19,6 +19,7 @@ from typing import Any
 
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.record import (
+    AGG_SHED,
     CNT_MAX,
     KERNEL_COUNTERS,
     PROG_H2_END,
@@ -27,8 +28,14 @@ from tracejoin.core.record import (
     PROG_RUN_NOTES,
     PROG_SCAN_REQ,
     PROG_SCAN_RESP,
+    RINGBUF_PAGES,
+    WS_SLOTS,
+    HttpRecord,
+    Sampling,
+    WsMember,
 )
 from tracejoin.kernel.btf import BtfError, member_offsets
+from tracejoin.kernel.cuda import CudaProbes, load_apis
 from tracejoin.kernel.perf import perf_event_open_check
 
 log = logging.getLogger(__name__)
@@ -57,6 +64,14 @@ REQUIRED_TRACEPOINTS: tuple[str, ...] = (
     "sock:inet_sock_set_state",
     "tcp:tcp_destroy_sock",
 )
+
+# The oldest kernel tracejoin runs on, and why: the two sock tracepoints that hand the probes the
+# socket inside read/write arrived in 6.3. Before them no tracepoint names the socket a syscall
+# reads from; the only way is walking task->files->fdt (struct layouts, not a stable interface).
+MIN_KERNEL = (6, 3)
+MIN_KERNEL_TEXT = "6.3"
+MIN_KERNEL_TRACEPOINTS = ("sock:sock_recv_length", "sock:sock_send_length")
+MIN_KERNEL_WHY = "sock:sock_recv_length and sock:sock_send_length (added in 6.3)"
 
 
 @dataclass(frozen=True)
@@ -107,6 +122,8 @@ OPTIONAL_SIGNALS: tuple[OptionalSignal, ...] = (
         "the request's work set: threads and processes it woke (thread pools, worker processes)",
     ),
 )
+# Opt-in uprobe signals (--cuda, --cuda-launches): in ProbeStatus.signals only when asked for.
+CUDA_SIGNALS = ("cuda", "cuda_launches")
 OPTIONAL_TRACEPOINTS: tuple[str, ...] = tuple(
     tp for sig in OPTIONAL_SIGNALS for tp in sig.tracepoints
 )
@@ -124,12 +141,15 @@ KNOBS = frozenset(
         "TLB_HW",
         "NCPU",
         "RUNQ_THRESHOLD_NS",
+        "WAKE_EVERY",
         "TASK_FLAGS_OFF",
         "TASK_PID_OFF",
         "TASK_TGID_OFF",
         "TASK_COMM_OFF",
         "AGENT_TGID",
         "WITH_IRQ_VECTORS",
+        "WITH_CUDA",
+        "CUDA_SYNC_THRESHOLD_NS",
     }
 )
 # x86 only: irq_work's own interrupt, where BPF ring buffer and perf wakeups run (the work set
@@ -187,6 +207,9 @@ class ProbeConfig:
     tlb_hardware: bool | None = None  # None: use the PMU when it opens
     page_faults: bool = True
     workset: bool = True  # follow the work into the threads a request wakes (needs sched)
+    cuda: bool = False  # uprobes on CUDA libraries (agent/kernel/cuda.py; needs the work set)
+    cuda_launches: bool = False  # ... kernel launches too (on the critical path: opt-in)
+    cuda_sync_threshold_ns: int = 1_000_000  # synchronisations kept as child spans
 
 
 @dataclass
@@ -212,6 +235,7 @@ class HttpProbes:
         self.status = ProbeStatus()
         self._bpf: object | None = None
         self._batch: list[bytes] = []
+        self.cuda: CudaProbes | None = None
 
     # -- build ---------------------------------------------------------------------------
 
@@ -227,13 +251,20 @@ class HttpProbes:
                 "/sys/kernel/tracing` (or mount it into the container)"
             )
         if missing:
+            too_old = set(missing) & set(MIN_KERNEL_TRACEPOINTS)
             raise ProbeError(
                 f"required tracepoint(s) missing: {', '.join(missing)}; "
                 "this kernel cannot run tracejoin (see `tracejoin doctor`)"
+                + (
+                    f"; tracejoin needs kernel >= {MIN_KERNEL_TEXT}: {MIN_KERNEL_WHY}"
+                    if too_old
+                    else ""
+                )
             )
         knobs: dict[str, int | None] = {
             "NCPU": _ncpus(),
             "RUNQ_THRESHOLD_NS": int(cfg.runq_threshold_ns),
+            "WAKE_EVERY": wake_every(_ncpus()),
         }
         for sig in OPTIONAL_SIGNALS:
             absent = [
@@ -250,6 +281,15 @@ class HttpProbes:
             else:
                 self.status.signals[sig.name] = "on"
                 knobs[sig.define] = None
+        if cfg.cuda:
+            if "WITH_WORKSET" in knobs:
+                self.status.signals["cuda"] = "on"
+                knobs["WITH_CUDA"] = None
+                knobs["CUDA_SYNC_THRESHOLD_NS"] = int(cfg.cuda_sync_threshold_ns)
+                if cfg.cuda_launches:
+                    self.status.signals["cuda_launches"] = "on"
+            else:  # a call is a request's through its work set: without one, nothing to say
+                self.status.signals["cuda"] = "off: needs the work set"
         if cfg.page_faults:
             knobs["WITH_FAULTS"] = None
         if cfg.pids:
@@ -347,6 +387,10 @@ class HttpProbes:
         elif self.status.signals.get("tlb_flush") == "on":
             self.status.tlb_mode = "flush_fallback"
         bpf[b"events"].open_ring_buffer(self._on_record)
+        if "WITH_CUDA" in knobs:
+            apis = load_apis(bpf_source_dir() / "cuda.h")
+            self.cuda = CudaProbes(bpf, apis, self.metrics, launches=self.config.cuda_launches)
+            self.cuda.start()
         self.status.load_seconds = time.monotonic() - t0
         for name, state in self.status.signals.items():
             self.metrics.set("probe_mode", 1 if state == "on" else 0, signal=name)
@@ -372,16 +416,50 @@ class HttpProbes:
         self._batch.append(ctypes.string_at(data, size))
 
     def poll(self, timeout_ms: int = 100) -> list[bytes]:
-        """Wait up to timeout_ms for records (0: take what is there) and return them all."""
+        """Wait up to timeout_ms (0: not at all), then return every record the ring holds.
+
+        The kernel submits records without waking the reader (bpf/http_conn.h emit()), except
+        when enough have gathered to fill half the ring: so this sleeps the whole timeout in
+        the common case, wakes early in a burst, and takes a batch either way. epoll returning
+        on its timeout consumes nothing, hence the consume after it."""
         if self._bpf is None:
             return []
         bpf: Any = self._bpf
         if timeout_ms:
             bpf.ring_buffer_poll(timeout_ms)
-        else:
-            bpf.ring_buffer_consume()
+        bpf.ring_buffer_consume()
         batch, self._batch = self._batch, []
+        if self.cuda is not None:
+            try:  # finding libraries never costs a record
+                self.cuda.track(_record_pids(batch))
+                self.cuda.poll()
+            except Exception:
+                self.metrics.inc("cuda_rescan_errors")
+                log.exception("CUDA library rescan failed (the records are kept)")
         return batch
+
+    def set_sampling(self, ratio: float) -> None:
+        """Keep a request's record when its trace id's low 8 bytes (big-endian) are below
+        ratio x 2^64, as OpenTelemetry's TraceIdRatioBased decides; 1: keep everything."""
+        if self._bpf is None:
+            return
+        table = self._bpf[b"sampling"]  # type: ignore[index]
+        table[ctypes.c_int(0)] = sampling_entry(ratio)
+
+    def shed(self) -> dict[tuple[int, int], tuple[int, int, list[int]]]:
+        """What the budget shed, per endpoint (pid, port): requests, summed latency in ns,
+        and log2-µs latency buckets (bpf/http_record.h struct agg_val), summed over CPUs."""
+        if self._bpf is None:
+            return {}
+        out: dict[tuple[int, int], tuple[int, int, list[int]]] = {}
+        for key, per_cpu in self._bpf[b"shed"].items():  # type: ignore[index]
+            if key.why != AGG_SHED:
+                continue
+            count = sum(v.count for v in per_cpu)
+            total = sum(v.sum_ns for v in per_cpu)
+            hist = [sum(v.hist[i] for v in per_cpu) for i in range(len(per_cpu[0].hist))]
+            out[(key.pid, key.lport)] = (count, total, hist)
+        return out
 
     def detach(self) -> None:
         """Detach every tracepoint and perf event; the ring buffer keeps what was submitted."""
@@ -394,6 +472,9 @@ class HttpProbes:
             bpf.detach_raw_tracepoint(raw)
         for ev_type, ev_config in list(bpf.open_perf_events):
             bpf.detach_perf_event(ev_type, ev_config)
+        for ev_name in list(bpf.uprobe_fds):  # CUDA (agent/kernel/cuda.py)
+            bpf.detach_uprobe_event(ev_name)
+        self.cuda = None  # no rescans (they would attach again)
 
     def kernel_counters(self) -> dict[str, int]:
         """Per-CPU kernel counters summed (CNT_* in bpf/http_record.h)."""
@@ -422,6 +503,28 @@ class HttpProbes:
             bpf.cleanup()  # type: ignore[attr-defined]
 
 
+_PID_AT = HttpRecord.pid.offset
+_NSLOTS_AT = HttpRecord.ws_nslots.offset
+_MEMBER_PIDS_AT = tuple(
+    HttpRecord.members.offset + i * ctypes.sizeof(WsMember) + WsMember.pid.offset
+    for i in range(WS_SLOTS)
+)
+
+
+def _record_pids(batch: list[bytes]) -> set[int]:
+    """The processes that served or worked for these records (read from the raw bytes, before
+    decoding: only to know whom to rescan for CUDA libraries)."""
+    out: set[int] = set()
+    for data in batch:
+        if len(data) <= _NSLOTS_AT:
+            continue
+        out.add(int.from_bytes(data[_PID_AT : _PID_AT + 4], "little"))
+        for at in _MEMBER_PIDS_AT[: min(data[_NSLOTS_AT], WS_SLOTS)]:
+            if len(data) >= at + 4:
+                out.add(int.from_bytes(data[at : at + 4], "little"))
+    return out
+
+
 def _workset_knobs(knobs: dict[str, int | None], disabled: frozenset[str]) -> str | None:
     """Add the knobs the work set needs (task_struct offsets, the agent's pid, the x86 irq_work
     tracepoints when present); or say why it cannot load."""
@@ -435,6 +538,23 @@ def _workset_knobs(knobs: dict[str, int | None], disabled: frozenset[str]) -> st
     if all(tracepoint_exists(tp, disabled) for tp in IRQ_VECTOR_TRACEPOINTS):
         knobs["WITH_IRQ_VECTORS"] = None
     return None
+
+
+def wake_every(ncpus: int) -> int:
+    """Records per CPU between forced reader wake-ups: the largest power of two with which all
+    CPUs together cannot fill more than half the ring with records no one was woken for."""
+    per_cpu = RINGBUF_PAGES * 4096 // (ctypes.sizeof(HttpRecord) + 8) // 2 // max(1, ncpus)
+    return 1 << max(0, per_cpu.bit_length() - 1) if per_cpu else 1
+
+
+def sampling_entry(ratio: float) -> Sampling:
+    """The kernel's sampling entry for a ratio: the bound is OpenTelemetry's
+    TraceIdRatioBased.get_bound_for_rate (round(ratio x 2^64)); ratio 1 switches it off."""
+    ratio = min(1.0, max(0.0, ratio))
+    bound = round(ratio * (1 << 64))
+    if bound >= 1 << 64:
+        return Sampling(bound=0, active=0)
+    return Sampling(bound=bound, active=1)
 
 
 def pmu_tlb_available() -> bool:

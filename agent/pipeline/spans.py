@@ -2,6 +2,11 @@
 for the intervals the kernel timed (receive-queue wait, long run-queue waits) and one per helper
 thread of the request's work set.
 
+When the serving process makes its own SERVER span (it is instrumented), the request's span is
+the kernel's view of the same hop: kind INTERNAL, named "<method> <route> (kernel)", with the
+same parent (the caller's span) and the same attributes, so the hop keeps one SERVER span
+(docs/attributes.md, "Instrumented services").
+
 A pure function of the enriched record and the live signal set: nothing here reads the host.
 An attribute is emitted only when its signal was on, so an absent value never reads as a measured
 zero ("0 retransmits" when tcp:tcp_probe was missing would be a lie).
@@ -15,6 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from functools import cache
 
 from tracejoin.core.model import (
     KIND_INTERNAL,
@@ -25,6 +31,19 @@ from tracejoin.core.model import (
     Span,
 )
 from tracejoin.core.record import (
+    CSIG_ALLOC_BYTES,
+    CSIG_ALLOC_CALLS,
+    CSIG_ERRORS,
+    CSIG_FREE_CALLS,
+    CSIG_GRAPH_LAUNCHES,
+    CSIG_LAUNCHES,
+    CSIG_MEMCPY_CALLS,
+    CSIG_MEMCPY_D2D,
+    CSIG_MEMCPY_D2H,
+    CSIG_MEMCPY_H2D,
+    CSIG_MEMCPY_OTHER,
+    CSIG_SYNC_CALLS,
+    CSIG_SYNC_NS,
     H2F_CLOSED,
     H2F_GOAWAY,
     H2F_LOST,
@@ -33,6 +52,7 @@ from tracejoin.core.record import (
     H2F_UNRESOLVED,
     WS_SLOTS,
     WSF_CAP,
+    WSF_CUDA,
     WSF_NO_GAP,
     WSF_STATS,
     WSF_TRACKED,
@@ -62,6 +82,7 @@ _ID_SEGMENT = re.compile(
     r"^(?:\d+|[0-9a-fA-F]{8,}|[0-9a-fA-F-]{32,36}|(?=[^/]*\d)[A-Za-z0-9_\-]{16,})$"
 )
 MAX_ROUTE_SEGMENTS = 4
+KERNEL_SUFFIX = " (kernel)"  # the request span's name beside an instrumented server's own
 
 
 # gRPC status codes a server span reports as an error (OTel RPC semantic conventions for gRPC).
@@ -110,6 +131,7 @@ def route_of(path: str) -> str:
 # Signal names as the probes report them (tracejoin.kernel.probes ProbeStatus.signals).
 SIG_RECVQ, SIG_TCP_STATS, SIG_SCHED, SIG_FAULTS = "recvq", "tcp_stats", "sched", "page_faults"
 SIG_WORKSET = "workset"
+SIG_CUDA, SIG_CUDA_LAUNCHES = "cuda", "cuda_launches"
 # What a thread did while it also worked for other open requests is under this prefix, never
 # under the request's own attribute: `tracejoin.mm.minor_faults` -> `tracejoin.work.shared.mm...`
 SHARED = "tracejoin.work.shared."
@@ -120,13 +142,20 @@ class SpanOptions:
     signals: frozenset[str]  # the signals whose probes are loaded
     tlb_mode: str = "off"  # "hardware", "flush_fallback" or "off"
     runq_child_threshold_ns: int = 1_000_000
+    # A receive-queue wait becomes a child span only from this long: a child belongs in the trace
+    # when it explains something; the wait itself is always an attribute of the server span.
+    recvq_child_threshold_ns: int = 0
 
     @classmethod
     def from_status(
-        cls, signals: dict[str, str], tlb_mode: str, runq_child_threshold_ns: int
+        cls,
+        signals: dict[str, str],
+        tlb_mode: str,
+        runq_child_threshold_ns: int,
+        recvq_child_threshold_ns: int = 0,
     ) -> SpanOptions:
         live = frozenset(name for name, state in signals.items() if state == "on")
-        return cls(live, tlb_mode, runq_child_threshold_ns)
+        return cls(live, tlb_mode, runq_child_threshold_ns, recvq_child_threshold_ns)
 
 
 def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], int]) -> list[Span]:
@@ -174,6 +203,10 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
         attrs["server.port"] = ep.local_port
         attrs["client.address"] = ep.peer_addr
         attrs["client.port"] = ep.peer_port
+    if e.service_name_source:
+        attrs["tracejoin.service_name.source"] = e.service_name_source
+    if e.instrumented:
+        attrs["tracejoin.instrumented.source"] = e.instrumented
     if e.rejected is not None:
         attrs["tracejoin.traceparent.rejected"] = e.rejected
     if rec.flags & REQF_PATH_TRUNC:
@@ -211,6 +244,9 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
         attrs.update(zip(tlb, (rec.tlb_a, rec.tlb_b), strict=False))
     if tracked:
         attrs.update(_work_attributes(rec, on, tlb))
+    cuda = tracked and SIG_CUDA in on and bool(rec.ws_flags & WSF_CUDA)
+    if cuda:
+        attrs.update(_cuda_attributes(rec, on))
     if rec.flags & REQF_RESP_UNTERM:
         attrs["tracejoin.http.response_unframed"] = True
     attrs.update(e.gpu)
@@ -230,8 +266,8 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
         trace_id=e.trace_id,
         span_id=new_id(64),
         parent_span_id=e.parent_id,
-        name=name,
-        kind=KIND_SERVER,
+        name=f"{name}{KERNEL_SUFFIX}" if e.instrumented else name,
+        kind=KIND_INTERNAL if e.instrumented else KIND_SERVER,
         start_ns=e.epoch_ns(e.start_mono_ns),
         end_ns=e.epoch_ns(e.end_mono_ns),
         resource=e.resource,
@@ -241,7 +277,7 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
         trace_flags=e.trace_flags,
     )
     spans = [server]
-    if queued:
+    if queued and rec.read_ns - rec.arrival_ns >= opts.recvq_child_threshold_ns:
         spans.append(
             _child(
                 server,
@@ -256,8 +292,10 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
             if w.dur_ns >= opts.runq_child_threshold_ns and w.start_ns:
                 s0 = e.epoch_ns(w.start_ns)
                 spans.append(_child(server, new_id(64), "sched.runq_wait", s0, s0 + w.dur_ns))
-    if tracked:
-        spans.extend(_helper_spans(e, server, on, tlb, new_id))
+    helpers = _helper_spans(e, server, on, tlb, new_id) if tracked else []
+    spans.extend(helpers)
+    if cuda:
+        spans.extend(_cuda_wait_spans(e, server, helpers, new_id))
     return spans
 
 
@@ -302,6 +340,72 @@ def _work_attributes(
         for name, idx in zip(tlb, (WSIG_TLB_A, WSIG_TLB_B), strict=False):
             a[SHARED + name.removeprefix("tracejoin.")] = sh[idx]
     return a
+
+
+# CUDA sums by CSIG_* index: attribute name (under tracejoin.), and the signal it needs.
+CUDA_ATTRIBUTES: tuple[tuple[int, str, str], ...] = (
+    (CSIG_MEMCPY_H2D, "cuda.memcpy.bytes.host_to_device", SIG_CUDA),
+    (CSIG_MEMCPY_D2H, "cuda.memcpy.bytes.device_to_host", SIG_CUDA),
+    (CSIG_MEMCPY_D2D, "cuda.memcpy.bytes.device_to_device", SIG_CUDA),
+    (CSIG_MEMCPY_OTHER, "cuda.memcpy.bytes.other", SIG_CUDA),
+    (CSIG_MEMCPY_CALLS, "cuda.memcpy.count", SIG_CUDA),
+    (CSIG_SYNC_NS, "cuda.sync.wait_ns", SIG_CUDA),
+    (CSIG_SYNC_CALLS, "cuda.sync.count", SIG_CUDA),
+    (CSIG_GRAPH_LAUNCHES, "cuda.graph_launches", SIG_CUDA),
+    (CSIG_LAUNCHES, "cuda.launches", SIG_CUDA_LAUNCHES),
+    (CSIG_ALLOC_BYTES, "cuda.alloc.bytes", SIG_CUDA),
+    (CSIG_ALLOC_CALLS, "cuda.alloc.count", SIG_CUDA),
+    (CSIG_FREE_CALLS, "cuda.free.count", SIG_CUDA),
+    (CSIG_ERRORS, "cuda.errors", SIG_CUDA),
+)
+
+
+def _cuda_attributes(rec: HttpRecord, on: Collection[str]) -> dict[str, AttrValue]:
+    """The CUDA calls the work set made for this request alone; calls made while a thread also
+    worked for other open requests (a batching GPU worker) only under the shared prefix."""
+    own, sh = rec.cuda.own, rec.cuda.shared
+    a: dict[str, AttrValue] = {}
+    for idx, name, needs in CUDA_ATTRIBUTES:
+        if needs in on:
+            a["tracejoin." + name] = own[idx]
+    if any(sh):
+        for idx, name, needs in CUDA_ATTRIBUTES:
+            if needs in on:
+                a[SHARED + name] = sh[idx]
+    return a
+
+
+@cache
+def cuda_api_names() -> dict[int, str]:
+    """bpf/cuda.h's CUDA_APIS rows by number (the kernel names a wait's call by its row)."""
+    from tracejoin.kernel.cuda import load_apis
+    from tracejoin.kernel.probes import bpf_source_dir
+
+    return {a.api: a.symbol for a in load_apis(bpf_source_dir() / "cuda.h")}
+
+
+def _cuda_wait_spans(
+    e: EnrichedRecord, server: Span, helpers: list[Span], new_id: Callable[[int], int]
+) -> list[Span]:
+    """One INTERNAL span per long synchronisation (the kernel keeps the longest, above
+    --cuda-sync-threshold-ms): where the request's work waited on the GPU. Under the helper
+    thread's span when a helper waited, else under the server span."""
+    out = []
+    names = cuda_api_names()
+    # a helper's wait goes under that helper's span (in Jaeger and on its timeline track)
+    by_tid = {h.attributes["thread.id"]: h for h in helpers}
+    for w in e.rec.cuda.waits:
+        if not (w.dur_ns and w.start_ns):
+            continue
+        s0 = e.epoch_ns(w.start_ns)
+        parent = by_tid.get(w.tid, server)
+        child = _child(parent, new_id(64), names.get(w.api, "cuda.sync"), s0, s0 + w.dur_ns)
+        child.attributes["thread.id"] = w.tid
+        child.attributes["tracejoin.cuda.sync.wait_ns"] = w.dur_ns
+        if w.shared:  # the thread also worked for other open requests while it waited
+            child.attributes["tracejoin.work.shared"] = True
+        out.append(child)
+    return out
 
 
 def _helper_spans(

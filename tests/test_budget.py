@@ -1,0 +1,123 @@
+"""The overload budget (--cpu-budget): the controller, driven by made-up CPU readings, and the
+kernel's sampling entry against OpenTelemetry's TraceIdRatioBased. The kernel's keep/drop
+decisions themselves are checked against the SDK's sampler in test_reliability.py
+(test_budget_sheds_the_same_trace_ids_as_the_otel_sampler)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+from tracejoin.config import Settings
+from tracejoin.kernel.probes import sampling_entry
+from tracejoin.pipeline.budget import MIN_RATIO, BudgetController
+
+
+def drive(ctl: BudgetController, shares: list[float], lost_at: frozenset[int] = frozenset()):
+    """Feed one reading a second with the agent at each share of a CPU; ratios after each."""
+    t, cpu, lost, out = 0.0, 0.0, 0, []
+    ctl.update(t, cpu, lost)
+    for i, share in enumerate(shares):
+        t += 1.0
+        cpu += share
+        lost += 100 if i in lost_at else 0
+        out.append(ctl.update(t, cpu, lost))
+    return out
+
+
+def test_the_ratio_falls_under_load_and_comes_back_when_it_ends():
+    ctl = BudgetController(budget=0.5)
+    busy = drive(ctl, [2.0] * 6)
+    assert busy[0] == 1.0, "one reading above the budget is not yet overload"
+    assert busy[1] < 1.0 and all(b <= a for a, b in itertools.pairwise(busy))
+    assert busy[1] == pytest.approx(0.25), "4x over budget: at most a 4x cut at once"
+    low = busy[-1]
+    assert low >= MIN_RATIO
+    quiet = drive(ctl, [0.1] * 30)
+    assert quiet[0] > low and quiet[-1] == 1.0, "restored step by step once load falls"
+    assert all(b >= a for a, b in itertools.pairwise(quiet))
+
+
+def test_cut_is_proportional_to_the_overshoot_and_never_below_the_floor():
+    ctl = BudgetController(budget=0.5)
+    assert drive(ctl, [0.6, 0.6])[-1] == pytest.approx(0.9 * 0.5 / 0.6)
+    assert drive(BudgetController(budget=0.5), [50.0] * 40)[-1] == MIN_RATIO
+
+
+def test_ring_losses_halve_the_ratio_only_while_the_agent_is_busy():
+    busy = drive(BudgetController(budget=0.5), [0.4, 0.4], lost_at=frozenset({1}))
+    assert busy == [1.0, 0.5]
+    # losses while the agent barely ran (stopped, or its reader paused): not its load
+    idle = drive(BudgetController(budget=0.5), [0.01, 0.01], lost_at=frozenset({0, 1}))
+    assert idle == [1.0, 1.0]
+
+
+def test_between_the_thresholds_the_ratio_holds():
+    ctl = BudgetController(budget=0.5)
+    drive(ctl, [2.0, 2.0])
+    held = ctl.ratio
+    assert drive(ctl, [0.45] * 5) == [held] * 5
+
+
+def test_budget_zero_is_off():
+    assert drive(BudgetController(budget=0.0), [5.0] * 5) == [1.0] * 5
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1e-6, 0.001, 0.25, 0.5, 0.7391, 0.999999])
+def test_the_kernel_bound_is_the_sdk_bound(ratio):
+    entry = sampling_entry(ratio)
+    assert entry.active == 1
+    assert entry.bound == TraceIdRatioBased.get_bound_for_rate(ratio)
+
+
+def test_ratio_one_switches_the_kernel_check_off():
+    assert sampling_entry(1.0).active == 0
+    assert sampling_entry(3.0).active == 0
+
+
+def test_cpu_budget_option_has_a_documented_default():
+    assert Settings().cpu_budget == 0.5
+    assert Settings().recvq_threshold_ms == 1.0
+
+
+def test_doctor_shows_a_running_agents_ratio():
+    """`tracejoin doctor` reads the ratio from the agent's own /metrics (real Metrics text)."""
+    import http.server
+    import threading
+
+    from tracejoin.core.metrics import Metrics
+    from tracejoin.host.doctor import running_agent, running_agent_text
+
+    m = Metrics()
+    m.set("sampling_ratio", 0.25)
+    m.set("agent_cpu_share", 0.61)
+    m.set("kernel_sampled_out_budget", 1234)
+    body = m.prometheus_text().encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_a: object) -> None:
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        port = srv.server_address[1]
+        state = running_agent(port)
+        assert state == {
+            "sampling_ratio": 0.25,
+            "agent_cpu_share": 0.61,
+            "kernel_sampled_out_budget_total": 1234.0,
+        }
+        text = running_agent_text(port, state)
+        assert "sampling ratio 0.25" in text and "1234 requests sampled out" in text
+    finally:
+        srv.shutdown()
+    assert running_agent(port) is None
+    assert "none answering" in running_agent_text(port, None)
