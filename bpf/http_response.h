@@ -53,12 +53,8 @@ static __always_inline int response_headers_end(struct conn *c, struct http_reco
     }
     if ((c->head_bits & bit) || code == 204 || code == 304)
         return STEP_NEXT;
-    if (code == 101) {
-        c->flags |= CONN_H2 | CONN_H2_NEW;      /* upgraded: HTTP/2 if the next bytes say so */
-        return STEP_NEXT;
-    }
-    if ((c->connect_bits & bit) && code >= 200 && code < 300) {
-        c->flags |= CONN_IGNORED;               /* tunnelled: no longer HTTP/1.x */
+    if (code == 101 || ((c->connect_bits & bit) && code >= 200 && code < 300)) {
+        c->flags |= CONN_IGNORED;               /* upgraded or tunnelled: no longer HTTP/1.x */
         return STEP_NEXT;
     }
     if (fr & FR_TE) {
@@ -190,8 +186,13 @@ int scan_resp(void *ctx)
             break;
     }
     if (r == STEP_NEXT) {
+        u16 code = c->rs_status;
         complete_response(s, c, seq, rec);
-        if (c->flags & CONN_H2) {               /* a 101: bpf/http2_scan.h goes on */
+        if (code == 101) {
+            /* Upgraded: HTTP/2 if the next bytes say so (bpf/http2_scan.h goes on). Decided
+             * here, out of the step loop: a branch in response_headers_end costs the verifier
+             * over 250k more instructions processed, past the 1M limit. */
+            c->flags = (c->flags & ~CONN_IGNORED) | CONN_H2 | CONN_H2_NEW;
             progs.call(ctx, PROG_H2_WR);
             return 0;
         }
