@@ -10,10 +10,13 @@ trace id. The pure parts (Huffman coding, the kernel's name constants) are unit 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
+import random
 import re
 import shutil
+import string
 import subprocess
 import sys
 import time
@@ -25,7 +28,15 @@ import pytest
 from harness import Agent, free_ports, new_traceparent, server
 from tracejoin.core.hpack import huffman_decode, huffman_encode
 from tracejoin.core.model import KIND_SERVER, STATUS_ERROR, Span
-from tracejoin.core.record import KERNEL_COUNTERS
+from tracejoin.core.record import (
+    H2F_PATH_HUFF,
+    H2F_STREAM,
+    HTTP_PATH_MAX,
+    KERNEL_COUNTERS,
+    REC_HTTP,
+    REQF_PATH_TRUNC,
+    HttpRecord,
+)
 
 HERE = Path(__file__).parent
 GRPCSERVER = HERE / "servers" / "grpcserver.py"
@@ -71,6 +82,89 @@ def test_kernel_name_constants_are_the_huffman_codes() -> None:
         m = re.search(rf"#define {macro} (0x[0-9a-f]+)ULL", src)
         assert m, macro
         assert int(m.group(1), 16) == int.from_bytes(huffman_encode(name), "little"), macro
+
+
+# --------------------------------------------------------------------------- unit: the query cut
+
+
+def kernel_path_copy(coded: bytes) -> int:
+    """How many bytes of a Huffman-coded :path the kernel copies: a mirror of h2_str_byte in
+    bpf/http2_scan.h (test_huffman_path_query_never_leaves_the_kernel checks the kernel itself).
+    It stops at the first byte in which a run of eight 1-bits completes (the start of the codes
+    of '?' and '#'), unless that byte is the last and all ones (the EOS padding)."""
+    qmin = 0xFF  # the smallest byte completing eight 1-bits with the ones carried in
+    for i, b in enumerate(coded):
+        if b >= qmin and (b != 0xFF or i + 1 < len(coded)):
+            return i
+        nb = ~b & 0xFF
+        qmin = (0xFF * (nb & -nb)) & 0xFF
+    return len(coded)
+
+
+PATHS = (
+    "/grpc.health.v1.Health/Check",
+    "/grpc.health.v1.Health/Watch",
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+    "/helloworld.Greeter/SayHello",
+    "/inference.GRPCInferenceService/ModelInfer",
+    "/inference.GRPCInferenceService/ServerLive",
+    "/opentelemetry.proto.collector.trace.v1.TraceService/Export",
+    "/tensorflow.serving.PredictionService/Predict",
+    "/text_generation.v2.TextGenerationService/Prefill",
+    "/tj.Echo/Say",
+    "/generate",
+    "/generate_stream",
+    "/v1/chat/completions",
+    "/v1/embeddings",
+    "/v2/models/resnet50/versions/1/infer",
+    "/v2/health/ready",
+    "/api/users/12345/orders",
+    "/api/v1/items/9",
+    "/api/v1/namespaces/default/pods",
+    "/openai/deployments/gpt-4o/chat/completions",
+    "/static/js/app.3f9a1c.js",
+    "/files/report%20final.pdf",
+    "/snake_case/path-with-dash/v1.2.3",
+    "/favicon.ico",
+    "/healthz",
+    "/echo/199",
+    "/models/llama-3.1-70b/v9x",
+)
+
+
+def test_huffman_path_cut_keeps_common_paths_whole() -> None:
+    """The trade-off docs/attributes.md states: among these gRPC and REST paths only one with a
+    '9' before 'x' is cut early; among pairs of the common path characters ('/', lowercase,
+    digits, '.', '-', '_', '%') only '9' followed by j, k, q, v, w, x, y or z trips the cut."""
+    cut = [p for p in PATHS if kernel_path_copy(c := huffman_encode(p.encode())) < len(c)]
+    assert cut == ["/models/llama-3.1-70b/v9x"]
+    common = "/" + string.ascii_lowercase + string.digits + ".-_%"
+    tripping = {
+        a + b
+        for a in common
+        for b in common
+        if kernel_path_copy(c := huffman_encode(f"/{a}{b}/".encode())) < len(c)
+    }
+    assert tripping == {"9" + b for b in "jkqvwxyz"}
+    kept = huffman_encode(b"/models/llama-3.1-70b/v9x")
+    prefix = huffman_decode(kept[: kernel_path_copy(kept)], partial=True)
+    assert prefix is not None and "/models/llama-3.1-70b/v9x".startswith(prefix.decode())
+
+
+def test_huffman_path_cut_never_keeps_a_query_byte() -> None:
+    """Whatever the path, what the kernel keeps decodes to a prefix of the part before the
+    first '?' or '#': realistic paths with queries, and random bytes (every character)."""
+    rng = random.Random(15)
+    cases = [p.encode() + q for p in PATHS for q in (b"?secret=tj", b"?", b"#frag", b"?a=9&b=Z")]
+    for _ in range(20_000):
+        s = bytearray(rng.randbytes(rng.randrange(0, 40)))
+        s.insert(rng.randrange(0, len(s) + 1), rng.choice(b"?#"))
+        cases.append(bytes(s))
+    for s in cases:
+        coded = huffman_encode(s)
+        got = huffman_decode(coded[: kernel_path_copy(coded)], partial=True)
+        before = s[: min(i for i in (s.find(b"?"), s.find(b"#")) if i >= 0)]
+        assert got is not None and before.startswith(got), s
 
 
 def test_capture_summary_groups_grpc_by_method_with_status() -> None:
@@ -191,7 +285,7 @@ class Scripted:
 
 @pytest.fixture(scope="module")
 def h2agent(privileged: None) -> Iterator[Agent]:
-    a = Agent(free_ports(6), None)
+    a = Agent(free_ports(8), None)
     a.start()
     try:
         yield a
@@ -334,6 +428,105 @@ def test_hand_built_frames(h2agent: Agent) -> None:
     assert by_stream[7].attributes["tracejoin.http2.ended_by"] == "rst_stream"
     assert by_stream[9].trace_id == tps[9][1]
     assert by_stream[9].attributes["tracejoin.http2.ended_by"] == "goaway"
+    _no_secret_anywhere(spans)
+
+
+def test_huffman_path_query_never_leaves_the_kernel(
+    h2agent: Agent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Huffman-coded :path with a query: the record the kernel sends holds no query byte (its
+    path bytes are kept as they arrive from the ring buffer, before user space decodes them),
+    and the span's path is the part before '?'. A path whose code holds eight 1-bits without a
+    '?' ('9' then 'w') is cut there too, and says so."""
+    port = h2agent.take_port()
+    raw: list[bytes] = []
+    poll = h2agent.source.poll
+
+    def keep(timeout_ms: int = 100) -> list[bytes]:
+        batch = poll(timeout_ms)
+        raw.extend(batch)
+        return batch
+
+    monkeypatch.setattr(h2agent.source, "poll", keep)
+    tps = {sid: new_traceparent() for sid in (1, 3)}
+    c = Scripted(port)
+    try:
+        c.client(PREFACE + SETTINGS)
+        c.server(SETTINGS)
+        for sid, path in ((1, b"/a.B/Query?secret=tj-h2-SECRET-query"), (3, b"/x/9w/y")):
+            block = request_block(path, tps[sid][0].encode(), huff=True)
+            c.client(frame(HEADERS, END_HEADERS | END_STREAM, sid, block))
+            c.server(response(sid))
+        spans = _server_spans(h2agent, port, 2)
+    finally:
+        c.close()
+    by_stream = {s.attributes["tracejoin.http2.stream_id"]: s for s in spans}
+    assert by_stream[1].trace_id == tps[1][1] and by_stream[3].trace_id == tps[3][1]
+    assert by_stream[1].attributes["url.path"] == "/a.B/Query"
+    cut = by_stream[3].attributes
+    assert "/x/9w/y".startswith(cut["url.path"]) and cut["url.path"] != "/x/9w/y"
+    assert cut["tracejoin.http.path_truncated"] is True
+    _no_secret_anywhere(spans)
+    records = [
+        HttpRecord.from_buffer_copy(r.ljust(ctypes.sizeof(HttpRecord), b"\0"))
+        for r in raw
+        if r[0] == REC_HTTP
+    ]
+    mine = [r for r in records if r.h2_flags & H2F_STREAM and r.seq in (1, 3)]
+    assert {r.seq for r in mine} >= {1, 3}
+    for r in mine:
+        assert r.h2_flags & H2F_PATH_HUFF and r.flags & REQF_PATH_TRUNC
+        off = HttpRecord.path.offset
+        coded = bytes(r)[off : off + min(r.path_len, HTTP_PATH_MAX)]
+        got = huffman_decode(coded, partial=True)
+        assert got is not None and b"?" not in got, got
+        assert got in (b"/a.B/Query", *(b"/x/9w/y"[:n] for n in range(8)))
+
+
+def test_upgrade_h2c_answered_by_101(h2agent: Agent) -> None:
+    """HTTP/1.1 `Upgrade: h2c` answered by 101 (RFC 7540 3.2): the upgrade request is an
+    HTTP/1.x span with status 101, and the streams after the switch are HTTP/2 spans in their
+    callers' traces."""
+    port = h2agent.take_port()
+    tps = {sid: new_traceparent() for sid in (1, 3, 5)}
+    c = Scripted(port)
+    try:
+        c.client(
+            b"GET /up HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+            b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n"
+            b"traceparent: " + tps[1][0].encode() + b"\r\n\r\n"
+        )
+        # the 101, the server's SETTINGS and its answer on stream 1 (the upgrade request's) in
+        # one write: the HTTP/1.x scan ends at the 101 and the HTTP/2 one goes on from there
+        c.server(
+            b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n"
+            + SETTINGS
+            + response(1)
+        )
+        c.client(PREFACE + SETTINGS)
+        for sid in (3, 5):
+            c.client(
+                frame(
+                    HEADERS,
+                    END_HEADERS | END_STREAM,
+                    sid,
+                    request_block(b"/a.B/Up%d" % sid, tps[sid][0].encode(), huff=sid == 5),
+                )
+            )
+            c.server(response(sid, grpc_status=14 if sid == 5 else 0))
+        spans = _server_spans(h2agent, port, 3)
+    finally:
+        c.close()
+    by_trace = {s.trace_id: s for s in spans}
+    assert set(by_trace) == {tps[sid][1] for sid in (1, 3, 5)}
+    up = by_trace[tps[1][1]].attributes
+    assert up["http.response.status_code"] == 101 and "network.protocol.version" not in up
+    for sid in (3, 5):
+        s = by_trace[tps[sid][1]]
+        assert s.parent_span_id == tps[sid][2] and s.name == f"a.B/Up{sid}"
+        assert s.attributes["tracejoin.http2.stream_id"] == sid
+        assert s.attributes["rpc.grpc.status_code"] == (14 if sid == 5 else 0)
+    assert by_trace[tps[5][1]].status_code == STATUS_ERROR
     _no_secret_anywhere(spans)
 
 
