@@ -72,7 +72,9 @@ struct h2dir {
     u8 ikind;                   /* K_* the field has as a table entry (kind may say "not copied") */
     u8 endafter;                /* the open block's HEADERS frame had END_STREAM */
     u8 hb[9];
-    u8 _pad[5];
+    u8 qmin;                    /* Huffman :path: the smallest next byte that would complete a
+                                 * run of eight 1-bits (bpf/http2_scan.h h2_str_byte) */
+    u8 _pad[4];
     u8 kinds[H2_KINDS];         /* K_* of insertion n, at n % H2_KINDS */
 };
 

@@ -6,7 +6,7 @@
  * copied. Header blocks (HEADERS, CONTINUATION, PUSH_PROMISE) go through an HPACK decoder
  * (RFC 7541) that keeps its state across frames and reads, so a block split anywhere, or
  * continued by CONTINUATION frames, decodes the same. It copies only the values of :method,
- * :path (a literal one up to '?' or '#'), traceparent, :status and grpc-status; every other
+ * :path (up to its query: see h2_str_byte), traceparent, :status and grpc-status; every other
  * name and value is skipped by count. Huffman-coded strings are copied as they are (user space
  * decodes them: agent/core/hpack.py); :status and grpc-status, digits only, are decoded here.
  *
@@ -375,6 +375,7 @@ static __always_inline void h2_value_start(struct h2dir *d, struct http_record *
             rec->h2_flags |= H2F_TP_HUFF;
     } else if (k == K_PATH) {
         rec->path_len = 0;
+        d->qmin = 0xff;                 /* no 1-bits carried in: only 0xff completes a run */
         rec->flags &= ~REQF_PATH_TRUNC;
         if (d->huff)
             rec->h2_flags |= H2F_PATH_HUFF;
@@ -601,14 +602,34 @@ static __always_inline void h2_str_byte(struct h2dir *d, struct http_record *rec
             rec->tp[pos] = b;
     } else if (k == K_PATH) {
         u32 pl = rec->path_len;
-        if (!d->huff && (b == '?' || b == '#'))
-            d->kind = K_OTHER;          /* the query is never copied: the rest is skipped */
-        else if (pl < HTTP_PATH_MAX) {
+        /* The query is never copied: the rest is skipped. A Huffman-coded '?' (1111111100) or
+         * '#' (111111111010) cannot be seen without decoding, but both start with eight 1-bits,
+         * which the code of '/', letters, digits, '.', '-', '_' or '%' never hold alone. So the
+         * copy stops at the first byte in which a run of eight 1-bits completes, counting the
+         * ones the previous byte ended with: the bytes kept hold at most the first 7 bits of
+         * a '?', never a query byte. Some paths are cut early for it (a '9' before a 'w', an
+         * 'X' or 'Z' after a 'v'): flagged truncated (docs/attributes.md). The byte completes
+         * the run when its leading ones reach 8 minus those carried, that is when it is at
+         * least qmin, the byte whose top (8 - carried) bits are ones. A last byte of all ones
+         * is kept: a '?' or '#' completing its run there would need a 0 after it, so it is
+         * the EOS padding after a code ending in ones ('e', 'o', '9', ...). */
+        int query = d->huff ? b >= d->qmin && (b != 0xff || d->slen != 0)
+                            : (b == '?' || b == '#');
+        if (query) {
+            d->kind = K_OTHER;
+            if (d->huff)
+                rec->flags |= REQF_PATH_TRUNC;  /* cut at what may be a '?' (user space cuts
+                                                 * what it decodes, partial) */
+        } else if (pl < HTTP_PATH_MAX) {
             rec->path[pl] = b;
             rec->path_len = pl + 1;
         } else {
             rec->flags |= REQF_PATH_TRUNC;
         }
+        /* the run this byte ends with: nb's lowest set bit is 1 << (trailing ones of b); the
+         * next byte completes eight when its top (8 - trailing ones) bits are all set */
+        u32 nb = ~b & 0xff;
+        d->qmin = (0xff * (nb & -nb)) & 0xff;
     } else if (k == K_METHOD) {
         if (pos < HTTP_METHOD_MAX) {
             rec->method[pos] = b;

@@ -33,7 +33,8 @@
 
 /* http_record.h2_flags: an HTTP/2 stream (bpf/http2_*.h). Its seq is the stream id; method,
  * path and tp hold the values as HPACK carried them (Huffman-coded where flagged: user space
- * decodes them; a literal :path is cut at '?' in the kernel, a Huffman-coded one in user space). */
+ * decodes them). A :path never holds its query: a Huffman-coded one is cut where its code could
+ * begin a '?' (bpf/http2_scan.h h2_str_byte). */
 #define H2F_STREAM      0x0001 /* the record is an HTTP/2 stream */
 #define H2F_TP_HUFF     0x0002 /* tp is Huffman-coded (tp_len: its length on the wire) */
 #define H2F_PATH_HUFF   0x0004 /* path is Huffman-coded */

@@ -91,9 +91,10 @@ def _put(rec: HttpRecord, field: str, value: bytes, cap: int) -> None:
 def _h2_decode_values(rec: HttpRecord) -> None:
     """An HTTP/2 stream's Huffman-coded values, decoded in place (RFC 7541 5.2), so everything
     downstream reads them as it reads HTTP/1.x ones. A traceparent that does not decode is left
-    with length 0 (rejected as missing-or-malformed downstream, never guessed); a :path is cut
-    at its query here, the kernel having copied it whole only because it could not see the
-    '?' inside the Huffman code (bpf/http2_scan.h)."""
+    with length 0 (rejected as missing-or-malformed downstream, never guessed). The kernel
+    stopped a Huffman-coded :path where a '?' could begin (bpf/http2_scan.h h2_str_byte, then
+    flagged truncated), so a partial last code is dropped here; cutting at '?' again costs
+    nothing and keeps the rule in one more place."""
     if rec.h2_flags & H2F_TP_HUFF:
         raw = ctypes.string_at(ctypes.addressof(rec) + HttpRecord.tp.offset, TP_CAP)
         tp = huffman_decode(raw[: min(rec.tp_len, TP_CAP)]) if rec.tp_len <= TP_CAP else None
