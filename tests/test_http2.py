@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from harness import Agent, free_ports, new_traceparent, server
+from jaeger import Jaeger, parent_span_id, span_tags, trace_ids_equal
 from tracejoin.core.hpack import huffman_decode, huffman_encode
 from tracejoin.core.model import KIND_SERVER, STATUS_ERROR, Span
 from tracejoin.core.record import (
@@ -371,6 +372,34 @@ def test_grpcio_unary_streaming_and_error_status(h2agent: Agent) -> None:
         else:
             assert a["rpc.grpc.status_code"] == 0 and s.status_code != STATUS_ERROR
     _no_secret_anywhere(spans)
+
+
+def test_grpcio_call_round_trips_through_jaeger(agent: Agent, jaeger: Jaeger) -> None:
+    """The session agent exports over OTLP to a real Jaeger: a gRPC call's span comes back
+    from Jaeger's query API under the caller's trace and parent, with its rpc.* tags, and a
+    non-OK status as an error."""
+    grpc = pytest.importorskip("grpc")
+    port = agent.take_port()
+    calls = {method: new_traceparent() for method in ("Say", "Fail")}
+    with grpc_server(port):
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        for method, (tp, _, _) in calls.items():
+            try:
+                ch.unary_unary(f"/tj.Echo/{method}")(BODY, metadata=(("traceparent", tp),))
+            except grpc.RpcError as exc:
+                assert method == "Fail" and exc.code() == grpc.StatusCode.INTERNAL
+        ch.close()
+        for method, (_, tid, parent) in calls.items():
+            trace = jaeger.get_trace(f"{tid:032x}", timeout_s=15)
+            (span,) = [s for s in trace["spans"] if span_tags(s).get("span.kind") == "server"]
+            tags = span_tags(span)
+            assert trace_ids_equal(span["traceID"], f"{tid:032x}")
+            assert parent_span_id(span) == f"{parent:016x}"
+            assert span["operationName"] == f"tj.Echo/{method}", tags
+            assert tags["rpc.system"] == "grpc" and tags["rpc.service"] == "tj.Echo"
+            assert tags["rpc.method"] == method and tags["server.port"] == port
+            assert tags["rpc.grpc.status_code"] == (13 if method == "Fail" else 0)
+            assert (tags.get("otel.status_code") == "ERROR") == (method == "Fail"), tags
 
 
 def test_hand_built_frames(h2agent: Agent) -> None:
