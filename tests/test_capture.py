@@ -584,7 +584,9 @@ def test_perfetto_file_follows_trace_event_format(inproc: InProcessCapture) -> N
             )
         else:
             assert (k["pid"], k["tid"]) == (parent["pid"], parent["tid"])
-        assert parent["ts"] <= k["ts"] and k["ts"] + k["dur"] <= parent["ts"] + parent["dur"]
+        # the file's µs carry 3 decimals (exact ns): compare in ns, not as sums of floats
+        start, end = _ns(k["ts"]), _ns(k["ts"]) + _ns(k["dur"])
+        assert _ns(parent["ts"]) <= start and end <= _ns(parent["ts"]) + _ns(parent["dur"])
     # thread and process names
     names = {e["args"]["name"] for e in ev["M"] if e["name"] == "process_name"}
     assert any(n.startswith("python") for n in names), names
@@ -910,3 +912,8 @@ def test_perfetto_writer_abandon_leaves_nothing(tmp_path: Path) -> None:
     assert w.export(_spans(1)).ok
     w.abandon()
     assert list(tmp_path.iterdir()) == []
+
+
+def _ns(us: float) -> int:
+    """A trace event's µs (3 decimals) back to whole nanoseconds."""
+    return round(us * 1000)

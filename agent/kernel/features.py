@@ -43,7 +43,8 @@ FEATURES: tuple[Feature, ...] = (
         "task_storage",
         "task storage (bpf_task_storage_get) in tracepoint programs",
         "5.11",
-        None,
+        "each thread's read/write in progress (pending_rd, pending_wr)",
+        required=True,
     ),
     Feature("bpf_loop", "bpf_loop helper", "5.17", None),
 )
