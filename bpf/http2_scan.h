@@ -19,7 +19,8 @@
 /* Decoder steps per program before tail-calling the next for the rest of a read or write.
  * Everything a step depends on is re-read from map memory (VLD), so the verifier sees the same
  * state at every loop head and prunes (BCC cannot load bpf_loop callbacks). */
-#define H2_STEPS 20             /* 20: ~710k instructions processed of the 1M limit */
+#define H2_STEPS 20             /* 20: ~745k instructions processed of the 1M limit
+                                 * (scripts/verifier_insns.py) */
 
 /* step results beyond STEP_* (http_scan.h) */
 #define H2_REC 16               /* a header block started: look its record up */
