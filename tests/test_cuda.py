@@ -180,7 +180,7 @@ def test_calls_of_a_worker_process_land_on_the_request_through_the_work_set(cuda
         wait_probed(cuda_agent, worker, "runtime")
         results = [work(cuda_agent, port, n) for n in (5000, 300000)]
     for n, (_, span, kids) in zip((5000, 300000), results, strict=True):
-        assert span.attributes["tracejoin.work.processes"] == 2
+        assert span.attributes["tracejoin.work.processes"] >= 2  # the front and the worker
         sync = assert_exact(span, kids, n, "cudaStreamSynchronize")
         assert sync.attributes["thread.id"] == worker  # the worker waited, not the front
         assert span.attributes["thread.id"] != worker
