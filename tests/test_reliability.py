@@ -137,6 +137,19 @@ def _server_spans(agent: Agent, prefix: str) -> list[Span]:
     ]
 
 
+def _assert_one_span_per_record(
+    agent: Agent, dropped_user: float, received: float, sent: list[Sent], prefix: str
+) -> None:
+    """User side: each received record became one server span (with the ids it was sent
+    with) or a counted drop, none duplicated."""
+    agent.wait_for(lambda _s: len(_server_spans(agent, prefix)) >= received - dropped_user, 10)
+    servers = _server_spans(agent, prefix)
+    assert len(servers) + dropped_user == received
+    seen, problems = _check_attribution(servers, sent)
+    assert not problems, problems[:5]
+    assert len(seen) == len(servers), "one span per request, none duplicated"
+
+
 def _check_attribution(spans: list[Span], sent: list[Sent]) -> tuple[set[int], list[str]]:
     """(trace ids seen, problems): every span carrying a sent trace id must carry exactly that
     request's parent id and path, and never a POISON id."""
@@ -215,13 +228,9 @@ def test_ring_buffer_losses_add_up_exactly(rel):
     assert k2["records_submitted"] == m.get("records_received") + k2["ringbuf_full"]
 
     # user side: each received record became one server span or a counted drop
-    dropped_user = m.total("records_dropped_userspace") - drop0
-    agent.wait_for(lambda _s: len(_server_spans(agent, "/loss/")) >= received - dropped_user, 10)
-    servers = _server_spans(agent, "/loss/")
-    assert len(servers) + dropped_user == received
-    seen, problems = _check_attribution(servers, sent)
-    assert not problems, problems[:5]
-    assert len(seen) == len(servers), "one span per request, none duplicated"
+    _assert_one_span_per_record(
+        agent, m.total("records_dropped_userspace") - drop0, received, sent, "/loss/"
+    )
     # every span built was exported to the memory destination or counted as dropped
     built = _wait_stable(
         lambda: (
@@ -262,13 +271,9 @@ def test_batched_reading_keeps_the_loss_identity_exact(rel):
     assert submitted == received + full, "submitted == received + ringbuf_full, exactly"
     assert k1["sampled_out_budget"] == k0["sampled_out_budget"], "nothing shed at ratio 1"
     assert 0 < batches < received / 4, "records arrive many per wake-up"
-    dropped_user = m.total("records_dropped_userspace") - drop0
-    agent.wait_for(lambda _s: len(_server_spans(agent, "/batch/")) >= received - dropped_user, 10)
-    servers = _server_spans(agent, "/batch/")
-    assert len(servers) + dropped_user == received
-    seen, problems = _check_attribution(servers, sent)
-    assert not problems, problems[:5]
-    assert len(seen) == len(servers)
+    _assert_one_span_per_record(
+        agent, m.total("records_dropped_userspace") - drop0, received, sent, "/batch/"
+    )
 
 
 def test_budget_sheds_the_same_trace_ids_as_the_otel_sampler(rel):
