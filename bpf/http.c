@@ -11,6 +11,8 @@
  *   http_conn.h      connection lifecycle: syscall buffers, TCP states, socket data, flush
  *   http_request.h   request scanner (tail call)
  *   http_response.h  response scanner (tail call); emits the record
+ *   http2_conn.h     HTTP/2 (h2c) connection state and the hand-off from the HTTP/1.x path
+ *   http2_scan.h     HTTP/2 frames and HPACK (tail calls); one record per stream
  * `tracejoin ebpf` prints the unit as compiled: includes inlined, defines applied.
  *
  * Only tracepoints and perf events (no kprobes, no struct dereferences): every value comes from
@@ -88,6 +90,8 @@
 #define CONN_SEEN_REQ 0x04
 #define CONN_UNTRUSTED 0x08     /* framing disagreement: no request is opened any more */
 #define CONN_RESP_LOST 0x10     /* response framing lost: writes are no longer scanned */
+#define CONN_H2 0x20            /* HTTP/2: framed by bpf/http2_scan.h, per stream */
+#define CONN_H2_NEW 0x40        /* ... by a 101 just written: its state is not made yet */
 
 /* Parser states, shared by both directions (struct hparse.state). */
 enum {
@@ -339,6 +343,8 @@ static __always_inline int task_allowed(u32 pid)
 #include "http_workset.h"
 #include "http_enrich.h"
 #include "http_scan.h"
+#include "http2_conn.h"
 #include "http_conn.h"
 #include "http_request.h"
 #include "http_response.h"
+#include "http2_scan.h"

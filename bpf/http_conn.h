@@ -224,6 +224,8 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
         struct conn *c = conns.lookup(&sk);
         if (c)
             flush_conn(sk, c, now);
+        if (c && (c->flags & CONN_H2))
+            h2_close(args, sk);     /* its streams (bpf/http2_conn.h) */
     }
     return 0;
 }
@@ -238,6 +240,7 @@ TRACEPOINT_PROBE(tcp, tcp_destroy_sock)
     struct req_key ghost = {.sk = sk, .seq = GHOST_SEQ};
     reqs.delete(&ghost);
     conns.delete(&sk);
+    h2conns.delete(&sk);
     return 0;
 }
 
@@ -347,7 +350,7 @@ TRACEPOINT_PROBE(sock, sock_recv_length)
     s->arrival = c->arrival_ns <= s->now ? c->arrival_ns : 0;
     c->arrival_ns = 0;
     p->live = 0;
-    progs.call(args, PROG_SCAN_REQ);
+    progs.call(args, (c->flags & CONN_H2) ? PROG_H2_RD : PROG_SCAN_REQ);
     return 0;
 }
 
@@ -359,7 +362,8 @@ TRACEPOINT_PROBE(sock, sock_send_length)
     struct conn *c = conns.lookup(&sk);
     if (!c || (c->flags & (CONN_IGNORED | CONN_RESP_LOST)))
         return 0;
-    if (c->head >= c->tail) {
+    int h2 = c->flags & CONN_H2;        /* framed per stream by bpf/http2_scan.h */
+    if (!h2 && c->head >= c->tail) {
         /* A response with no request open: the two directions disagree (a request we never
          * saw, or one response framed as two). Attributing anything further would be a guess. */
         if ((c->flags & (CONN_SEEN_REQ | CONN_UNTRUSTED)) == CONN_SEEN_REQ)
@@ -375,11 +379,12 @@ TRACEPOINT_PROBE(sock, sock_send_length)
         return 0;
     c->last_write_ns = s->now;
 #ifdef WITH_WORKSET
-    ws_checkpoint(sk, c, s->now);   /* if this write ends the response, its record says so */
+    if (!h2)
+        ws_checkpoint(sk, c, s->now);   /* if this write ends the response, its record says so */
 #endif
     /* sendfile calls sock_sendmsg once per chunk: only the first event may use a buffer */
     if (p->kind != IO_NONE)
         p->live = 0;
-    progs.call(args, PROG_SCAN_RESP);
+    progs.call(args, h2 ? PROG_H2_WR : PROG_SCAN_RESP);
     return 0;
 }

@@ -31,11 +31,27 @@
 #define REQF_TARGET_ABS    0x0800 /* absolute-form target: scheme and authority were not copied */
 #define REQF_PATH_PARAMS   0x1000 /* ";params" of path segments were not copied */
 
+/* http_record.h2_flags: an HTTP/2 stream (bpf/http2_*.h). Its seq is the stream id; method,
+ * path and tp hold the values as HPACK carried them (Huffman-coded where flagged: user space
+ * decodes them). A :path never holds its query: a Huffman-coded one is cut where its code could
+ * begin a '?' (bpf/http2_scan.h h2_str_byte). */
+#define H2F_STREAM      0x0001 /* the record is an HTTP/2 stream */
+#define H2F_TP_HUFF     0x0002 /* tp is Huffman-coded (tp_len: its length on the wire) */
+#define H2F_PATH_HUFF   0x0004 /* path is Huffman-coded */
+#define H2F_METHOD_HUFF 0x0008 /* method is Huffman-coded */
+#define H2F_RST         0x0010 /* ended by RST_STREAM (either side) */
+#define H2F_GOAWAY      0x0020 /* ended by the server's GOAWAY (above its last stream id) */
+#define H2F_CLOSED      0x0040 /* ended by the connection's end */
+#define H2F_UNRESOLVED  0x0080 /* a field it needed referred to a dynamic-table entry the
+                                * kernel does not hold (counted by reason) */
+#define H2F_LOST        0x0100 /* the connection's framing was lost while it was open */
+
 /* Limits user space and the docs reason about (sizes of the kernel's maps and windows). */
 #define HDR_WINDOW 4096       /* request bytes scanned for headers, request line included */
 #define MAX_PENDING 8         /* requests tracked at once on one connection (pipelining) */
 #define LRU_ENTRIES 16384     /* entries of each per-connection / per-thread LRU map */
 #define RINGBUF_PAGES 512     /* ring buffer size in 4 KiB pages (2 MiB: ~2,400 full records) */
+#define H2_CONNS 4096         /* HTTP/2 connections followed at once (`h2conns` LRU) */
 #define WS_ENTRIES 4096       /* work sets of open requests kept at once (`worksets` LRU) */
 
 /* Signals a thread accumulates while it works for a request, by index into tstat.tot/sh and
@@ -81,7 +97,10 @@
 #define PROG_SCAN_REQ 0
 #define PROG_SCAN_RESP 1
 #define PROG_RUN_NOTES 2      /* a syscall's exit: the openings and endings its scanners noted */
-#define PROG_COUNT 3
+#define PROG_H2_RD 3          /* HTTP/2 frames read (requests): bpf/http2_scan.h */
+#define PROG_H2_WR 4          /* HTTP/2 frames written (responses) */
+#define PROG_H2_END 5         /* emit HTTP/2 streams that ended */
+#define PROG_COUNT 6
 
 struct runq_wait {
     __u64 start_ns;
@@ -137,7 +156,9 @@ struct http_record {
     __u32 pid;             /* process (tgid) that read the request */
     __u32 tid;             /* thread that read the request */
     __u32 fd;              /* fd of the read, to resolve a pre-existing connection's tuple */
-    __u32 _pad1;
+    __u16 h2_flags;        /* H2F_*: 0 for HTTP/1.x (bpf/http2_scan.h) */
+    __u8  grpc_status;     /* HTTP/2: grpc-status from the trailers + 1; 0 when none was seen */
+    __u8  _pad1;
     __u64 conn_id;         /* opaque, per-connection; never a kernel address */
     __u64 seq;             /* request number on this connection, from 0 */
     __u64 arrival_ns;      /* first request byte queued on the socket (CLOCK_MONOTONIC); 0 unknown */
@@ -243,6 +264,18 @@ struct agg_val {
 #define CNT_WORKSET_REFS_FULL   22 /* threads in more than WS_REFS open work sets at once */
 #define CNT_SAMPLED_OUT_BUDGET  23 /* requests the overload budget's ratio kept in the kernel
                                     * (aggregated in `shed`; not records, never a loss) */
+/* HTTP/2 (bpf/http2_*.h) */
+#define CNT_H2_CONNECTIONS      32 /* connections that became HTTP/2 (preface or Upgrade: h2c) */
+#define CNT_H2_STREAMS_FULL     33 /* streams not tracked: their slot of H2_STREAMS was taken */
+#define CNT_H2_FRAME_INVALID    34 /* connections whose framing was lost: an invalid frame */
+#define CNT_H2_HPACK_INVALID    35 /* ... an HPACK block we could not decode */
+#define CNT_H2_UNSCANNED        36 /* ... bytes not scanned (tail-call budget, copy failure) */
+#define CNT_H2_PREFACE_BAD      37 /* "PRI *" not followed by the HTTP/2 client preface */
+#define CNT_H2_DYN_UNRESOLVED   38 /* fields we need referring to a dynamic-table entry whose
+                                    * value the kernel does not hold (evicted, or not copied) */
+#define CNT_H2_DYN_BEYOND       39 /* ... to an entry older than the H2_KINDS insertions tracked */
+#define CNT_H2_STATE_LOST       40 /* stream or connection state evicted before the stream ended */
+#define CNT_H2_HEADERS_CUT      41 /* streams that ended before their header block did: not emitted */
 #define CNT_CUDA_UNATTRIBUTED   46 /* probed CUDA calls by a thread in no open work set */
 #define CNT_CUDA_NESTED         47 /* probed calls beneath another (runtime over driver): not
                                     * counted again */

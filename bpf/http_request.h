@@ -87,7 +87,10 @@ static __always_inline struct http_record *open_request(struct scratch *s, struc
     u8 ch = BYTE(i);
     int alpha = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z');
     if (kind == M_PRI && ch == '*') {           /* "PRI * HTTP/2.0": the HTTP/2 preface */
-        not_request(c, 0);
+        if (!(c->flags & CONN_SEEN_REQ))
+            h2_start(c, s->sk, 4, 0);           /* its scanner checks the rest (http2_scan.h) */
+        if (!(c->flags & CONN_H2))
+            not_request(c, 0);
         return 0;
     }
     /* origin-form '/', asterisk-form '*', absolute-form (a scheme), authority-form (CONNECT) */
@@ -435,6 +438,10 @@ int scan_req(void *ctx)
 out:
     if (c->flags & (CONN_IGNORED | CONN_UNTRUSTED))
         return 0;
+    if (c->flags & CONN_H2) {
+        progs.call(ctx, PROG_H2_RD);            /* HTTP/2 from the preface on */
+        return 0;
+    }
     if (r == STEP_STOP || s->off >= s->total)
         return 0;
     /* STEP_RELOAD at a window that could not be loaded: these bytes cannot be seen */

@@ -186,7 +186,16 @@ int scan_resp(void *ctx)
             break;
     }
     if (r == STEP_NEXT) {
+        u16 code = c->rs_status;
         complete_response(s, c, seq, rec);
+        if (code == 101) {
+            /* Upgraded: HTTP/2 if the next bytes say so (bpf/http2_scan.h goes on). Decided
+             * here, out of the step loop: a branch in response_headers_end costs the verifier
+             * over 250k more instructions processed, past the 1M limit. */
+            c->flags = (c->flags & ~CONN_IGNORED) | CONN_H2 | CONN_H2_NEW;
+            progs.call(ctx, PROG_H2_WR);
+            return 0;
+        }
     } else if (r == STEP_BAD) {
         lose_response(s, c, seq, rec,
                       in_body(c->rs.state) ? CNT_UNTRUSTED_CHUNKED : CNT_UNTRUSTED_RESPONSE_INVALID);

@@ -201,7 +201,7 @@ def test_non_http_bytes_make_no_spans(agent):
     port = agent.take_port()
     garbage = [
         b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + bytes(range(32)),  # TLS ClientHello
-        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",  # HTTP/2 preface
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",  # HTTP/2 preface: h2c, but no stream opens
         bytes(range(256)) * 4,
         b"\x00" * 512,
         b"GET\x00/ HTTP/1.1\r\n\r\n",
@@ -213,7 +213,7 @@ def test_non_http_bytes_make_no_spans(agent):
         assert agent.port_spans(port) == []
         time.sleep(0.2)
     after = agent.pipeline.kernel_counters()["non_http_connections"]
-    assert after - before >= len(garbage)
+    assert after - before >= len(garbage) - 1  # the preface counts as HTTP/2 (test_http2.py)
 
 
 def test_all_spans_are_server_or_children(agent):

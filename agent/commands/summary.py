@@ -26,6 +26,7 @@ from typing import Any
 
 from tracejoin.core.model import KIND_INTERNAL, KIND_SERVER, STATUS_ERROR, Span
 from tracejoin.core.text import terminal_safe
+from tracejoin.pipeline.spans import GRPC_CODE_NAMES
 
 WIDTH = 100
 NAME = 20  # endpoint column; longer names get a line of their own
@@ -105,6 +106,10 @@ COMPONENTS: tuple[Component, ...] = (
         _scaled("tracejoin.gpu.kernel_active.ratio.avg", 100.0),
     ),
 )
+
+
+def _grpc_name(code: int) -> str:
+    return GRPC_CODE_NAMES[code] if 0 <= code < len(GRPC_CODE_NAMES) else str(code)
 
 
 def _others_cpu_ms(attrs: Attrs) -> float | None:
@@ -231,6 +236,7 @@ class EndpointStats:
     durations_ms: array[float] = field(default_factory=lambda: array("d"))
     components: list[array[float]] = field(default_factory=lambda: [array("d") for _ in COMPONENTS])
     work: list[array[float]] = field(default_factory=lambda: [array("d") for _ in WORK_COLUMNS])
+    grpc: dict[int, int] = field(default_factory=dict)  # gRPC status code -> calls
     cuda: list[array[float]] = field(default_factory=lambda: [array("d") for _ in CUDA_COLUMNS])
 
 
@@ -291,6 +297,9 @@ class Summary:
             ep = self.endpoints[name] = EndpointStats()
         ep.count += 1
         ep.errors += error
+        code = attrs.get("rpc.grpc.status_code")
+        if isinstance(code, int) and not isinstance(code, bool):
+            ep.grpc[code] = ep.grpc.get(code, 0) + 1
         ep.durations_ms.append(duration_ns / 1e6)
         for comp, values in zip(COMPONENTS, ep.components, strict=True):
             v = comp.value(attrs)
@@ -436,6 +445,16 @@ class Summary:
             else:
                 out.append(name)
                 out.append(" " * NAME + nums)
+            if ep.grpc:  # a gRPC method (service/method): its calls by gRPC status
+                codes = ", ".join(f"{_grpc_name(c)} {n}" for c, n in sorted(ep.grpc.items()))
+                out.extend(
+                    textwrap.wrap(
+                        f"grpc status: {codes}",
+                        WIDTH - 2,
+                        initial_indent="  ",
+                        subsequent_indent="    ",
+                    )
+                )
         return out
 
     def _work_table(self) -> list[str]:

@@ -37,11 +37,22 @@ REQF_METHOD_OTHER = 0x0400
 REQF_TARGET_ABS = 0x0800
 REQF_PATH_PARAMS = 0x1000
 
+H2F_STREAM = 0x0001
+H2F_TP_HUFF = 0x0002
+H2F_PATH_HUFF = 0x0004
+H2F_METHOD_HUFF = 0x0008
+H2F_RST = 0x0010
+H2F_GOAWAY = 0x0020
+H2F_CLOSED = 0x0040
+H2F_UNRESOLVED = 0x0080
+H2F_LOST = 0x0100
+
 # limits of the kernel's maps and windows
 HDR_WINDOW = 4096
 MAX_PENDING = 8
 LRU_ENTRIES = 16384
 RINGBUF_PAGES = 512
+H2_CONNS = 4096
 WS_ENTRIES = 4096
 
 # signals a work-set member accumulates (WSIG_*): indices into HttpRecord.shared
@@ -83,7 +94,10 @@ CUDA_WAIT_SLOTS = 4
 PROG_SCAN_REQ = 0
 PROG_SCAN_RESP = 1
 PROG_RUN_NOTES = 2
-PROG_COUNT = 3
+PROG_H2_RD = 3
+PROG_H2_WR = 4
+PROG_H2_END = 5
+PROG_COUNT = 6
 
 # indices of the per-CPU `counters` map (CNT_*)
 CNT_RECORDS_SUBMITTED = 0
@@ -107,6 +121,16 @@ CNT_WORKSET_FULL = 20
 CNT_WORKSET_LOST = 21
 CNT_WORKSET_REFS_FULL = 22
 CNT_SAMPLED_OUT_BUDGET = 23
+CNT_H2_CONNECTIONS = 32
+CNT_H2_STREAMS_FULL = 33
+CNT_H2_FRAME_INVALID = 34
+CNT_H2_HPACK_INVALID = 35
+CNT_H2_UNSCANNED = 36
+CNT_H2_PREFACE_BAD = 37
+CNT_H2_DYN_UNRESOLVED = 38
+CNT_H2_DYN_BEYOND = 39
+CNT_H2_STATE_LOST = 40
+CNT_H2_HEADERS_CUT = 41
 CNT_CUDA_UNATTRIBUTED = 46
 CNT_CUDA_NESTED = 47
 CNT_CUDA_ACC_LOST = 48
@@ -135,6 +159,16 @@ KERNEL_COUNTERS: dict[int, str] = {
     CNT_WORKSET_LOST: "workset_lost",
     CNT_WORKSET_REFS_FULL: "workset_refs_full",
     CNT_SAMPLED_OUT_BUDGET: "sampled_out_budget",
+    CNT_H2_CONNECTIONS: "h2_connections",
+    CNT_H2_STREAMS_FULL: "h2_streams_full",
+    CNT_H2_FRAME_INVALID: "h2_frame_invalid",
+    CNT_H2_HPACK_INVALID: "h2_hpack_invalid",
+    CNT_H2_UNSCANNED: "h2_unscanned",
+    CNT_H2_PREFACE_BAD: "h2_preface_bad",
+    CNT_H2_DYN_UNRESOLVED: "h2_dyn_unresolved",
+    CNT_H2_DYN_BEYOND: "h2_dyn_beyond",
+    CNT_H2_STATE_LOST: "h2_state_lost",
+    CNT_H2_HEADERS_CUT: "h2_headers_cut",
     CNT_CUDA_UNATTRIBUTED: "cuda_unattributed",
     CNT_CUDA_NESTED: "cuda_nested",
     CNT_CUDA_ACC_LOST: "cuda_acc_lost",
@@ -173,6 +207,22 @@ KERNEL_COUNTER_HELP: dict[str, str] = {
     "workset_refs_full": "Threads that joined more than WS_REFS open work sets at once",
     "sampled_out_budget": "Requests the overload budget's sampling ratio kept in the kernel "
     "(counted and aggregated per endpoint; not a loss)",
+    "h2_connections": "Connections that became HTTP/2 (client preface seen)",
+    "h2_streams_full": "HTTP/2 streams not tracked: their per-connection slot was taken "
+    "(more than 256 open at once)",
+    "h2_frame_invalid": "HTTP/2 connections no longer scanned: an invalid frame",
+    "h2_hpack_invalid": "HTTP/2 connections no longer scanned: an HPACK block the kernel "
+    "could not decode",
+    "h2_unscanned": "HTTP/2 connections no longer scanned: bytes to frame could not be "
+    "scanned (tail-call budget or copy failure)",
+    "h2_preface_bad": "Connections starting 'PRI *' without the HTTP/2 client preface",
+    "h2_dyn_unresolved": "HTTP/2 fields referring to a dynamic-table entry whose value the "
+    "kernel does not hold (the stream is flagged, no value guessed)",
+    "h2_dyn_beyond": "HTTP/2 fields referring to a dynamic-table entry older than the 128 "
+    "insertions the kernel tracks",
+    "h2_state_lost": "HTTP/2 stream or connection state evicted before the stream ended",
+    "h2_headers_cut": "HTTP/2 streams that ended (framing lost, reset, close) before their "
+    "request headers did: not emitted, since their traceparent is unknown",
     "cuda_unattributed": "Probed CUDA calls by a thread in no open request's work set "
     "(work outside requests, or a worker that polls: no thread link)",
     "cuda_nested": "Probed CUDA calls made beneath another probed call (a runtime call's "
@@ -276,7 +326,9 @@ class HttpRecord(ctypes.Structure):
         ("pid", ctypes.c_uint32),
         ("tid", ctypes.c_uint32),
         ("fd", ctypes.c_uint32),
-        ("_pad1", ctypes.c_uint32),
+        ("h2_flags", ctypes.c_uint16),
+        ("grpc_status", ctypes.c_uint8),
+        ("_pad1", ctypes.c_uint8),
         ("conn_id", ctypes.c_uint64),
         ("seq", ctypes.c_uint64),
         ("arrival_ns", ctypes.c_uint64),

@@ -22,6 +22,9 @@ from tracejoin.core.record import (
     AGG_SHED,
     CNT_MAX,
     KERNEL_COUNTERS,
+    PROG_H2_END,
+    PROG_H2_RD,
+    PROG_H2_WR,
     PROG_RUN_NOTES,
     PROG_SCAN_REQ,
     PROG_SCAN_RESP,
@@ -348,6 +351,9 @@ class HttpProbes:
             ("scan_req", PROG_SCAN_REQ),
             ("scan_resp", PROG_SCAN_RESP),
             ("run_notes", PROG_RUN_NOTES),
+            ("h2_scan_rd", PROG_H2_RD),  # HTTP/2: bpf/http2_scan.h
+            ("h2_scan_wr", PROG_H2_WR),
+            ("h2_end", PROG_H2_END),
         ):
             fn = bpf.load_func(name.encode(), BPF.TRACEPOINT)
             bpf[b"progs"][ctypes.c_int(idx)] = ctypes.c_int(fn.fd)

@@ -44,6 +44,12 @@ from tracejoin.core.record import (
     CSIG_MEMCPY_OTHER,
     CSIG_SYNC_CALLS,
     CSIG_SYNC_NS,
+    H2F_CLOSED,
+    H2F_GOAWAY,
+    H2F_LOST,
+    H2F_RST,
+    H2F_STREAM,
+    H2F_UNRESOLVED,
     WS_SLOTS,
     WSF_CAP,
     WSF_CUDA,
@@ -77,6 +83,37 @@ _ID_SEGMENT = re.compile(
 )
 MAX_ROUTE_SEGMENTS = 4
 KERNEL_SUFFIX = " (kernel)"  # the request span's name beside an instrumented server's own
+
+
+# gRPC status codes a server span reports as an error (OTel RPC semantic conventions for gRPC).
+GRPC_SERVER_ERRORS = frozenset({2, 4, 12, 13, 14, 15})
+GRPC_CODE_NAMES = (
+    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+    "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+    "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+    "UNAUTHENTICATED",
+)  # fmt: skip
+
+
+def grpc_call(path: str) -> tuple[str, str] | None:
+    """(rpc.service, rpc.method) of a gRPC path "/package.Service/Method"; None otherwise."""
+    parts = path.split("/")
+    if len(parts) != 3 or parts[0] or not parts[1] or not parts[2]:
+        return None
+    return parts[1], parts[2]
+
+
+def _h2_ended_by(flags: int) -> str | None:
+    """How an HTTP/2 stream ended when not by the server's END_STREAM."""
+    for bit, name in (
+        (H2F_RST, "rst_stream"),
+        (H2F_GOAWAY, "goaway"),
+        (H2F_LOST, "framing_lost"),
+        (H2F_CLOSED, "connection_close"),
+    ):
+        if flags & bit:
+            return name
+    return None
 
 
 def route_of(path: str) -> str:
@@ -142,6 +179,24 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
         attrs["http.request.method_original"] = method_original
     if rec.status:
         attrs["http.response.status_code"] = rec.status
+    h2 = bool(rec.h2_flags & H2F_STREAM)
+    name = f"{'HTTP' if method == OTHER_METHOD else method} {route_of(path)}"
+    grpc_code = rec.grpc_status - 1 if h2 and rec.grpc_status else None
+    if h2:
+        attrs["network.protocol.version"] = "2"
+        attrs["tracejoin.http2.stream_id"] = rec.seq
+        ended_by = _h2_ended_by(rec.h2_flags)
+        if ended_by:
+            attrs["tracejoin.http2.ended_by"] = ended_by
+        if rec.h2_flags & H2F_UNRESOLVED:
+            attrs["tracejoin.http2.field_unresolved"] = True
+        call = grpc_call(path) if grpc_code is not None else None
+        if grpc_code is not None:
+            attrs["rpc.system"] = "grpc"
+            attrs["rpc.grpc.status_code"] = grpc_code
+        if call is not None:
+            attrs["rpc.service"], attrs["rpc.method"] = call
+            name = f"{call[0]}/{call[1]}"
     ep = e.endpoints
     if ep is not None:
         attrs["server.address"] = ep.local_addr
@@ -201,8 +256,12 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
         status, message = STATUS_ERROR, "connection closed before a response"
     elif rec.status >= 500:
         status = STATUS_ERROR
+    elif grpc_code is not None and grpc_code in GRPC_SERVER_ERRORS:
+        status = STATUS_ERROR
+        message = GRPC_CODE_NAMES[grpc_code]
+    elif h2 and grpc_code is None and rec.h2_flags & (H2F_RST | H2F_GOAWAY):
+        status, message = STATUS_ERROR, f"stream ended by {_h2_ended_by(rec.h2_flags)}"
 
-    name = f"{'HTTP' if method == OTHER_METHOD else method} {route_of(path)}"
     server = Span(
         trace_id=e.trace_id,
         span_id=new_id(64),
