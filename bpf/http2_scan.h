@@ -114,31 +114,10 @@ static __always_inline void h2_open(struct scratch *s, struct conn *c, struct h2
     struct http_record *rec = reqs.lookup(&key);
     if (!rec)
         return;
-    u64 id = bpf_get_current_pid_tgid();
-    rec->type = REC_HTTP;
     rec->h2_flags = H2F_STREAM;
-    rec->pid = id >> 32;
-    rec->tid = (u32)id;
-    rec->fd = s->fd;
-    rec->conn_id = c->conn_id;
-    rec->seq = sid;
     rec->read_ns = s->now;
     rec->arrival_ns = s->arrival;
-    if (!(c->flags & CONN_SEEN_REQ)) {
-        c->flags |= CONN_SEEN_REQ;
-        rec->flags |= REQF_FIRST_ON_CONN;
-        rec->est_ns = c->est_ns;
-    }
-    if (c->flags & CONN_TUPLE) {
-        rec->flags |= REQF_TUPLE;
-        rec->family = c->family;
-        rec->lport = c->lport;
-        rec->rport = c->rport;
-        __builtin_memcpy(rec->laddr, c->laddr, 16);
-        __builtin_memcpy(rec->raddr, c->raddr, 16);
-    }
-    rec->retrans = -c->retrans;
-    start_thread_stats(s, rec);
+    open_record(s, c, rec, sid);
     hc->open[slot] = sid;
     hc->nopen++;
     d->ghost = 0;
@@ -991,6 +970,20 @@ static __always_inline void h2_finish(struct scratch *s, u64 sk, struct conn *c,
         /* its header block never completed: whether it carried a traceparent is unknown, and
          * a span without one would be a guess (a new trace) */
         count(CNT_H2_HEADERS_CUT);
+        reqs.delete(&key);
+        return;
+    }
+    if (!hc->d[DIR_WR].settings_seen) {
+        /* no server answered in HTTP/2 (an HTTP/1.x-only server sent an error and closed,
+         * or nothing): the bytes were a client's claim, not a request anyone served */
+        count(CNT_H2_UNANSWERED);
+        reqs.delete(&key);
+        return;
+    }
+    if (!rec->method_len || !rec->path_len) {
+        /* RFC 9113 8.3.1: a request without :method or :path is malformed (the server
+         * resets it); it is not a hop to put in the caller's trace */
+        count(CNT_H2_MALFORMED);
         reqs.delete(&key);
         return;
     }

@@ -87,6 +87,35 @@ static __always_inline u64 hex8(u64 x)
     return (v | (v >> 16)) & 0xFFFFFFFFULL;
 }
 
+/* A new request's record (HTTP/1.x request c->tail, HTTP/2 stream `seq`): who read it, on which
+ * connection, and the thread totals its kernel signals are measured from. */
+static __always_inline void open_record(struct scratch *s, struct conn *c,
+                                        struct http_record *rec, u64 seq)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    rec->type = REC_HTTP;
+    rec->pid = id >> 32;
+    rec->tid = (u32)id;
+    rec->fd = s->fd;
+    rec->conn_id = c->conn_id;
+    rec->seq = seq;
+    if (!(c->flags & CONN_SEEN_REQ)) {
+        c->flags |= CONN_SEEN_REQ;
+        rec->flags |= REQF_FIRST_ON_CONN;
+        rec->est_ns = c->est_ns;
+    }
+    if (c->flags & CONN_TUPLE) {
+        rec->flags |= REQF_TUPLE;
+        rec->family = c->family;
+        rec->lport = c->lport;
+        rec->rport = c->rport;
+        __builtin_memcpy(rec->laddr, c->laddr, 16);
+        __builtin_memcpy(rec->raddr, c->raddr, 16);
+    }
+    rec->retrans = -c->retrans;
+    start_thread_stats(s, rec);
+}
+
 /* Whether the overload budget keeps this request (struct sampling in http_record.h). */
 static __always_inline int budget_keeps(struct http_record *rec)
 {

@@ -276,6 +276,8 @@ struct agg_val {
 #define CNT_H2_DYN_BEYOND       39 /* ... to an entry older than the H2_KINDS insertions tracked */
 #define CNT_H2_STATE_LOST       40 /* stream or connection state evicted before the stream ended */
 #define CNT_H2_HEADERS_CUT      41 /* streams that ended before their header block did: not emitted */
+#define CNT_H2_UNANSWERED       42 /* streams not emitted: the server never spoke HTTP/2 (no SETTINGS) */
+#define CNT_H2_MALFORMED        43 /* streams not emitted: their request had no :method or no :path */
 #define CNT_CUDA_UNATTRIBUTED   46 /* probed CUDA calls by a thread in no open work set */
 #define CNT_CUDA_NESTED         47 /* probed calls beneath another (runtime over driver): not
                                     * counted again */

@@ -108,8 +108,6 @@ static __always_inline struct http_record *open_request(struct scratch *s, struc
     c->connect_bits = kind == M_CONNECT ? c->connect_bits | bit : c->connect_bits & ~bit;
     u32 mlen = m->nlen;
     u64 method0 = *(u64 *)&m->name[0], method1 = *(u64 *)&m->name[8];
-    int first = !(c->flags & CONN_SEEN_REQ);
-    c->flags |= CONN_SEEN_REQ;
     c->tail = seq + 1;
     c->rq_scanned = mlen + 2;
     c->rq_tpraw = 0;
@@ -139,27 +137,9 @@ static __always_inline struct http_record *open_request(struct scratch *s, struc
         rec->tp_len = 0;
         rec->tp_count = 0;
     } else {
-        u64 id = bpf_get_current_pid_tgid();
-        rec->type = REC_HTTP;
-        rec->pid = id >> 32;
-        rec->tid = (u32)id;
-        rec->fd = s->fd;
-        rec->conn_id = c->conn_id;
-        rec->seq = seq;
         rec->read_ns = c->rq_start_ns;
         rec->arrival_ns = c->rq_arrival_ns;
-        if (first) {
-            rec->flags |= REQF_FIRST_ON_CONN;
-            rec->est_ns = c->est_ns;
-        }
-        if (c->flags & CONN_TUPLE) {
-            rec->flags |= REQF_TUPLE;
-            rec->family = c->family;
-            rec->lport = c->lport;
-            rec->rport = c->rport;
-            __builtin_memcpy(rec->laddr, c->laddr, 16);
-            __builtin_memcpy(rec->raddr, c->raddr, 16);
-        }
+        open_record(s, c, rec, seq);
         /* the method token: only tchar bytes reach here (request_start checked each) */
         rec->method_len = mlen;
         *(u64 *)&rec->method[0] = mlen < 8 ? LOW(method0, mlen) : method0;
@@ -167,9 +147,8 @@ static __always_inline struct http_record *open_request(struct scratch *s, struc
         if (kind == M_OTHER || kind == M_PRI)
             rec->flags |= REQF_METHOD_OTHER;
         rec->req_bytes = mlen + 1;
-        rec->retrans = -c->retrans;
-        start_thread_stats(s, rec);
     }
+    c->flags |= CONN_SEEN_REQ;     /* also when this one is a ghost: the next is not first */
     /* the target's first byte */
     rec->req_bytes += 1;
     if (ch == '/') {

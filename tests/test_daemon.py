@@ -49,7 +49,7 @@ PRIVILEGED = (pytest.mark.privileged, pytest.mark.e2e)
 OUR_PROGRAM = re.compile(
     r"^(tracepoint__\w*|[a-z0-9]+__\w+|scan_req|scan_resp|on_minflt|on_majflt"
     r"|raw_tracepoint__\w+|sched_waking|sched_wakeup_ne\w*|irq_work_(?:entry|exit)|run_notes"
-    r"|ws_wake_prog)$"
+    r"|ws_wake_prog|h2_end|h2_scan_rd|h2_scan_wr)$"
 )
 
 

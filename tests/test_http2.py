@@ -286,7 +286,7 @@ class Scripted:
 
 @pytest.fixture(scope="module")
 def h2agent(privileged: None) -> Iterator[Agent]:
-    a = Agent(free_ports(8), None)
+    a = Agent(free_ports(12), None)
     a.start()
     try:
         yield a
@@ -400,6 +400,50 @@ def test_grpcio_call_round_trips_through_jaeger(agent: Agent, jaeger: Jaeger) ->
             assert tags["rpc.method"] == method and tags["server.port"] == port
             assert tags["rpc.grpc.status_code"] == (13 if method == "Fail" else 0)
             assert (tags.get("otel.status_code") == "ERROR") == (method == "Fail"), tags
+
+
+def test_streams_no_http2_server_answered_or_without_method_are_not_spans(h2agent: Agent) -> None:
+    """A client's claim is not a request: an HTTP/2 preface and a HEADERS frame carrying a
+    traceparent, sent to a server that answers in HTTP/1.x, give no span (the trace id is the
+    sender's word only), and neither does a HEADERS block without :method and :path on a real
+    HTTP/2 connection (malformed, RFC 9113 8.3.1). Both are counted; the connection that did
+    speak HTTP/2 goes on to trace its next, well-formed stream."""
+    port = h2agent.take_port()
+    poison, poison_id, _ = new_traceparent()
+    unanswered = kernel_counter(h2agent, "h2_unanswered")
+    malformed = kernel_counter(h2agent, "h2_malformed")
+    c = Scripted(port)
+    try:
+        c.client(
+            PREFACE
+            + SETTINGS
+            + frame(HEADERS, END_HEADERS, 1, lit(b"traceparent", poison.encode()))
+        )
+        c.server(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+    finally:
+        c.close()
+    port2 = h2agent.take_port()
+    good, good_id, good_parent = new_traceparent()
+    bare, bare_id, _ = new_traceparent()
+    c = Scripted(port2)
+    try:
+        c.client(PREFACE + SETTINGS)
+        c.server(SETTINGS)
+        c.client(frame(HEADERS, END_HEADERS | END_STREAM, 1, lit(b"traceparent", bare.encode())))
+        c.server(frame(RST, 0, 1, b"\0\0\0\x01"))
+        c.client(
+            frame(HEADERS, END_HEADERS | END_STREAM, 3, request_block(b"/a.B/Ok", good.encode()))
+        )
+        c.server(response(3))
+        (span,) = _server_spans(h2agent, port2, 1)
+    finally:
+        c.close()
+    assert span.trace_id == good_id and span.parent_span_id == good_parent
+    assert span.attributes["tracejoin.http2.stream_id"] == 3
+    assert kernel_counter(h2agent, "h2_unanswered") == unanswered + 1
+    assert kernel_counter(h2agent, "h2_malformed") == malformed + 1
+    time.sleep(0.3)  # a late span would be a defect: give the reader a few batches
+    assert not [s for s in h2agent.spans() if s.trace_id in (poison_id, bare_id)]
 
 
 def test_hand_built_frames(h2agent: Agent) -> None:
@@ -637,5 +681,6 @@ def test_go_h2c_200_concurrent_streams_on_one_connection(h2agent: Agent) -> None
         assert s.trace_id in sent and s.parent_span_id == sent[s.trace_id]
         assert s.attributes["url.path"].startswith("/echo/")  # Huffman-decoded, query cut
     lost = sum(kernel_counter(h2agent, n) for n in ("h2_unscanned", "h2_headers_cut")) - lost_before
+    print(f"h2c 200 streams: {len(spans)} spans, {lost} lost")
     assert len(spans) == 200 or lost > 0
     _no_secret_anywhere(spans)

@@ -131,6 +131,8 @@ CNT_H2_DYN_UNRESOLVED = 38
 CNT_H2_DYN_BEYOND = 39
 CNT_H2_STATE_LOST = 40
 CNT_H2_HEADERS_CUT = 41
+CNT_H2_UNANSWERED = 42
+CNT_H2_MALFORMED = 43
 CNT_CUDA_UNATTRIBUTED = 46
 CNT_CUDA_NESTED = 47
 CNT_CUDA_ACC_LOST = 48
@@ -169,6 +171,8 @@ KERNEL_COUNTERS: dict[int, str] = {
     CNT_H2_DYN_BEYOND: "h2_dyn_beyond",
     CNT_H2_STATE_LOST: "h2_state_lost",
     CNT_H2_HEADERS_CUT: "h2_headers_cut",
+    CNT_H2_UNANSWERED: "h2_unanswered",
+    CNT_H2_MALFORMED: "h2_malformed",
     CNT_CUDA_UNATTRIBUTED: "cuda_unattributed",
     CNT_CUDA_NESTED: "cuda_nested",
     CNT_CUDA_ACC_LOST: "cuda_acc_lost",
@@ -223,6 +227,10 @@ KERNEL_COUNTER_HELP: dict[str, str] = {
     "h2_state_lost": "HTTP/2 stream or connection state evicted before the stream ended",
     "h2_headers_cut": "HTTP/2 streams that ended (framing lost, reset, close) before their "
     "request headers did: not emitted, since their traceparent is unknown",
+    "h2_unanswered": "HTTP/2 streams not emitted: the server never spoke HTTP/2 on the "
+    "connection (no SETTINGS frame: an HTTP/1.x-only server, or none answered)",
+    "h2_malformed": "HTTP/2 streams not emitted: the request had no :method or no :path "
+    "(malformed, RFC 9113 8.3.1)",
     "cuda_unattributed": "Probed CUDA calls by a thread in no open request's work set "
     "(work outside requests, or a worker that polls: no thread link)",
     "cuda_nested": "Probed CUDA calls made beneath another probed call (a runtime call's "
