@@ -210,10 +210,11 @@ struct scratch {
     u32 fd;
     u32 chain;                  /* tail calls used so far */
     u32 walk_more;              /* the iovec walk stopped short: load again to go on */
-    u32 _pad;
+    u32 h2_more;                /* 1 + PROG_H2_*: an HTTP/2 scan out of tail calls goes on at
+                                 * the syscall's exit (forget()); H2_MORE_EXIT: that pass runs */
     struct ws_note notes[WS_NOTES];
     u32 nnotes;                 /* notes written so far (the last WS_NOTES are kept) */
-    u32 _pad2;
+    u32 h2_tid;                 /* the thread whose exit h2_more waits for */
 };
 
 /* An open request's work set, as a thread refers to it: the request's key in `worksets`

@@ -23,6 +23,7 @@
 #define H2_ENDS 8               /* streams one end-program run emits */
 #define H2_FLUSH_SLOTS 32       /* slots one end-program run flushes */
 #define H2_PREFACE_LEN 24
+#define H2_MORE_EXIT 0xff       /* scratch.h2_more: the exit pass is running */
 
 /* What a header field is to us (struct h2dir.kind, h2dyn.kind). Only these are ever copied. */
 enum { K_OTHER, K_TP, K_PATH, K_METHOD, K_STATUS, K_GRPC_STATUS };
@@ -85,7 +86,8 @@ struct h2conn {
     u8 preface;                 /* client preface bytes matched (H2_PREFACE_LEN: done) */
     u8 upgraded;                /* became HTTP/2 by Upgrade: h2c (a failed check is quiet) */
     u8 dead;                    /* framing lost: nothing more is scanned */
-    u8 _pad[5];
+    u8 at_exit;                 /* a scan was left for its syscall's exit (scratch.h2_more) */
+    u8 _pad[4];
     u32 open[H2_STREAMS];       /* stream id open in each slot; 0 free */
     struct h2dir d[2];
 };

@@ -806,6 +806,13 @@ static __always_inline int h2_step(struct scratch *s, struct conn *c, struct h2c
     return STEP_GO;
 }
 
+/* A scan is done. In the syscall's exit pass, the notes forget() would have run come next. */
+static __always_inline void h2_done(void *ctx, struct scratch *s)
+{
+    if (s->h2_more == H2_MORE_EXIT && s->nnotes)
+        progs.call(ctx, PROG_RUN_NOTES);
+}
+
 /* Framing lost: nothing more is scanned on this connection, and its open streams end now. */
 static __always_inline int h2_die(void *ctx, struct h2conn *hc, struct h2end *e)
 {
@@ -871,6 +878,15 @@ static __always_inline int h2_scan(void *ctx, int dir)
     }
     if (hc->dead)
         return 0;
+    if (hc->at_exit) {
+        /* a scan left for its syscall's exit: it runs now, or it never ran (the thread
+         * moved to another CPU) and the bytes it had left are lost to the framing */
+        if (s->h2_more != H2_MORE_EXIT) {
+            count(CNT_H2_UNSCANNED);
+            return h2_die(ctx, hc, e);
+        }
+        hc->at_exit = 0;
+    }
     if (e->sk != sk || e->now != s->now) {
         e->sk = sk;
         e->now = s->now;
@@ -928,21 +944,32 @@ static __always_inline int h2_scan(void *ctx, int dir)
     }
 out:;
     int more = r != STEP_STOP && s->off < s->total;
-    if (more && ((r == STEP_RELOAD && s->base == s->off && s->n == 0 && !s->walk_more) ||
-                 s->chain >= CHAIN_MAX)) {
+    int blind = r == STEP_RELOAD && s->base == s->off && s->n == 0 && !s->walk_more;
+    u32 self = dir == DIR_RD ? PROG_H2_RD : PROG_H2_WR;
+    if (more && !blind && s->chain >= CHAIN_MAX - 1 && !s->h2_more) {
+        /* out of tail calls (many streams in one read): the syscall's exit goes on, with
+         * a budget of its own (forget()); the ends queued so far wait in h2_ends */
+        s->h2_more = 1 + self;
+        s->h2_tid = (u32)bpf_get_current_pid_tgid();
+        hc->at_exit = 1;
+        return 0;
+    }
+    if (more && (blind || s->chain >= CHAIN_MAX - 1)) {
         count(CNT_H2_UNSCANNED);        /* bytes we cannot see, or out of tail calls */
         return h2_die(ctx, hc, e);
     }
     if (e->n || e->flush) {
-        e->resume = more ? 1 + (dir == DIR_RD ? PROG_H2_RD : PROG_H2_WR) : 0;
+        e->resume = more ? 1 + self : 0;
         s->chain++;
         progs.call(ctx, PROG_H2_END);
         return 0;
     }
     if (more) {
         s->chain++;
-        progs.call(ctx, dir == DIR_RD ? PROG_H2_RD : PROG_H2_WR);
+        progs.call(ctx, self);
+        return 0;
     }
+    h2_done(ctx, s);
     return 0;
 }
 
@@ -1046,6 +1073,7 @@ int h2_end(void *ctx)
         }
         e->cursor = from + H2_FLUSH_SLOTS;
         if (e->cursor < H2_STREAMS) {
+            s->chain++;
             progs.call(ctx, PROG_H2_END);   /* the next slots */
             return 0;
         }
@@ -1053,9 +1081,20 @@ int h2_end(void *ctx)
     }
     u8 resume = e->resume;
     e->resume = 0;
-    if (resume && s->sk == sk && s->chain < CHAIN_MAX) {
-        s->chain++;
-        progs.call(ctx, resume - 1);
+    if (resume && s->sk == sk) {
+        if (s->chain < CHAIN_MAX) {
+            s->chain++;
+            progs.call(ctx, resume - 1);    /* returns only when the call failed */
+        }
+        if (!s->h2_more) {              /* the syscall's exit goes on (see h2_scan) */
+            s->h2_more = resume;
+            s->h2_tid = (u32)bpf_get_current_pid_tgid();
+            hc->at_exit = 1;
+            return 0;
+        }
+        count(CNT_H2_UNSCANNED);        /* its bytes cannot be framed: nothing more is */
+        hc->dead = 1;
     }
+    h2_done(ctx, s);
     return 0;
 }

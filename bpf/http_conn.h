@@ -48,7 +48,20 @@ static __always_inline int forget(void *ctx, int dir)
     struct pending_io *p = pending_slot(dir, 0);
     if (p)
         p->live = 0;
-    if (notes_waiting())        /* requests this syscall opened or ended (http_enrich.h) */
+    int z = 0;
+    struct scratch *s = scratch_map.lookup(&z);
+    if (!s)
+        return 0;
+    u32 more = s->h2_more;
+    if (more && more != H2_MORE_EXIT && s->h2_tid == (u32)bpf_get_current_pid_tgid()) {
+        /* an HTTP/2 scan this syscall ran out of tail calls for: the exit is a new program
+         * run with a budget of its own, and the buffer is still the one the data went to;
+         * the scan runs the notes when it is done (h2_done) */
+        s->h2_more = H2_MORE_EXIT;
+        s->chain = 0;
+        progs.call(ctx, more - 1);
+    }
+    if (s->nnotes)              /* requests this syscall opened or ended (http_enrich.h) */
         progs.call(ctx, PROG_RUN_NOTES);
     return 0;
 }
@@ -337,6 +350,7 @@ static __always_inline struct scratch *load_scratch(u64 sk, struct pending_io *p
     s->base = 0;
     s->n = 0;                       /* windows are copied when a scanner needs bytes */
     s->walk_more = 0;
+    s->h2_more = 0;
     return s;
 }
 
