@@ -55,11 +55,11 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFl
 from opentelemetry.trace.status import Status, StatusCode
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import (
-    EncodedSpan,
     KIND_SERVER,
     STATUS_ERROR,
     STATUS_UNSET,
     AttrValue,
+    EncodedSpan,
     Event,
     Resource,
     Span,

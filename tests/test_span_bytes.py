@@ -220,3 +220,60 @@ def test_a_batch_mixing_encoded_and_object_spans_groups_by_resource():
     first, second = req.resource_spans[0].scope_spans[0].spans
     assert first.trace_id == second.trace_id == TID.to_bytes(16, "big")
     assert first.parent_span_id == PID.to_bytes(8, "big")
+
+
+class _Destination:
+    """A destination as stages.Destination describes it, that keeps what it is given."""
+
+    name = "test"
+
+    def __init__(self, accepts_encoded: bool) -> None:
+        self.accepts_encoded = accepts_encoded
+        self.got: list[Span | EncodedSpan] = []
+
+    def start(self) -> None:
+        pass
+
+    def submit(self, span: Span | EncodedSpan) -> bool:
+        self.got.append(span)
+        return True
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("accepts", "observed", "encoded"),
+    [
+        ((True,), False, True),  # tracejoin run with OTLP only
+        ((True, True), False, True),
+        ((True, False), False, False),  # OTLP and the spans file: one path for all
+        ((False,), False, False),
+        ((True,), True, False),  # an observer (the capture summary) needs the objects
+    ],
+)
+def test_the_pipeline_takes_the_object_free_path_only_when_all_can_take_it(
+    accepts, observed, encoded
+):
+    from tracejoin.pipeline.stages import Pipeline
+
+    dests = [_Destination(a) for a in accepts]
+    seen: list[list[Span]] = []
+    p = Pipeline(
+        source=None,  # type: ignore[arg-type]  # process() is driven directly
+        enricher=Enricher(Metrics(), resource),
+        span_options=SpanOptions(SIGNAL_SETS["basic"]),
+        destinations=dests,  # type: ignore[arg-type]
+        metrics=Metrics(),
+        observers=[lambda spans, rec: seen.append(spans)] if observed else [],
+    )
+    assert p.encode is encoded
+    p.process([bytes(record(TP))])
+    for d in dests:
+        assert len(d.got) == 2  # the server span and its receive-queue wait (threshold 0)
+        assert isinstance(d.got[0], EncodedSpan if encoded else Span)
+        assert isinstance(d.got[1], Span)
+        (server,) = encode_request(d.got[:1]).resource_spans[0].scope_spans[0].spans
+        assert server.trace_id == TID.to_bytes(16, "big")
+        assert server.parent_span_id == PID.to_bytes(8, "big")
+    assert len(seen) == (1 if observed else 0)

@@ -28,11 +28,18 @@ V1 = tuple(bytes((i,)) for i in range(128))
 
 
 def varint(n: int) -> bytes:
-    """Unsigned LEB128; callers map negative int64 to its two's complement first."""
+    """Unsigned LEB128; callers map negative int64 to its two's complement first. Unrolled up
+    to 4 bytes (28 bits: sizes, ports, durations up to 268 ms), the common lengths here."""
     if n < 0x80:
         return V1[n]
     if n < 0x4000:
         return bytes(((n & 0x7F) | 0x80, n >> 7))
+    if n < 0x200000:
+        return bytes(((n & 0x7F) | 0x80, ((n >> 7) & 0x7F) | 0x80, n >> 14))
+    if n < 0x10000000:
+        return bytes(
+            ((n & 0x7F) | 0x80, ((n >> 7) & 0x7F) | 0x80, ((n >> 14) & 0x7F) | 0x80, n >> 21)
+        )
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)

@@ -54,13 +54,13 @@ from tracejoin.kernel.decode import (
 from tracejoin.pipeline.spans import (
     KERNEL_SUFFIX,
     SIG_FAULTS,
+    SIG_RECVQ,
     SIG_SCHED,
     SIG_TCP_STATS,
     SIG_WORKSET,
     SpanOptions,
     _cuda,
     _cuda_attributes,
-    _queued,
     _tlb_names,
     _tracked,
     _work_attributes,
@@ -197,14 +197,17 @@ def encode_spans(
     flags = rec.flags
     instrumented = bool(e.instrumented)
     span_id = new_id(64)
-    off = e.clock_offset_ns
+    # each ctypes field read makes a new int: read the times once (EnrichedRecord's
+    # start_mono_ns/end_mono_ns, inline)
+    arrival_ns, read_ns, off = rec.arrival_ns, rec.read_ns, e.clock_offset_ns
+    queued = 0 < arrival_ns <= read_ns
     p = [
         span_head(
             e.trace_id,
             span_id,
             e.parent_id,
-            e.start_mono_ns + off,
-            e.end_mono_ns + off,
+            (arrival_ns if queued else read_ns) + off,
+            max(rec.end_ns, read_ns) + off,
             e.trace_flags,
         ),
         _name_field(method, path, instrumented),
@@ -239,9 +242,8 @@ def encode_spans(
         p.append(_REJECTED(e.rejected))
     if flags & REQF_PATH_TRUNC:
         p.append(_PATH_TRUNCATED)
-    read_ns = rec.read_ns
-    if _queued(rec, on):
-        p.append(_RECVQ_WAIT(read_ns - rec.arrival_ns))
+    if queued and SIG_RECVQ in on:
+        p.append(_RECVQ_WAIT(read_ns - arrival_ns))
     if flags & REQF_FIRST_ON_CONN and 0 < rec.est_ns <= read_ns:
         p.append(_HANDSHAKE(read_ns - rec.est_ns))
     if rec.resp_start_ns:

@@ -18,6 +18,7 @@ measurements under `tracejoin.*`, named for what was measured (a TLB flush is no
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from functools import cache, lru_cache
@@ -44,6 +45,7 @@ from tracejoin.core.record import (
     CSIG_MEMCPY_OTHER,
     CSIG_SYNC_CALLS,
     CSIG_SYNC_NS,
+    RUNQ_SLOTS,
     WS_SLOTS,
     WSF_CAP,
     WSF_CUDA,
@@ -233,6 +235,12 @@ def _cuda(rec: HttpRecord, on: Collection[str], tracked: bool) -> bool:
     return tracked and SIG_CUDA in on and bool(rec.ws_flags & WSF_CUDA)
 
 
+# rec.runq as (start_ns, dur_ns) pairs read in one go: iterating the ctypes array makes an
+# object per slot, which costs more than the rest of the check.
+_RUNQ_PAIRS = struct.Struct(f"={2 * RUNQ_SLOTS}Q")
+_RUNQ_OFFSET = HttpRecord.runq.offset
+
+
 def needs_children(rec: HttpRecord, opts: SpanOptions) -> bool:
     """Whether child_spans can return anything for this record: the object-free path
     (span_bytes.py) makes a parent `Span` for them only then. Errs on the side of True."""
@@ -240,8 +248,8 @@ def needs_children(rec: HttpRecord, opts: SpanOptions) -> bool:
     if _queued(rec, on) and rec.read_ns - rec.arrival_ns >= opts.recvq_child_threshold_ns:
         return True
     if SIG_SCHED in on:
-        thr = opts.runq_child_threshold_ns
-        if any(w.dur_ns >= thr and w.start_ns for w in rec.runq):
+        pairs = _RUNQ_PAIRS.unpack_from(rec, _RUNQ_OFFSET)
+        if max(pairs[1::2]) >= opts.runq_child_threshold_ns:
             return True
     return _tracked(rec, on) and (rec.ws_nslots > 0 or bool(rec.ws_flags & WSF_CUDA))
 
