@@ -67,9 +67,11 @@ class OtlpHttpExporter(OTLPSpanExporter):
         self.url = url
         self.timeout_s = timeout_s
 
-    # The package's transport with our encoder: it takes model.Span, not the SDK's ReadableSpan
+    # The package's transport with our encoder: it takes model.Span (or EncodedSpan), not the SDK's ReadableSpan
     # (tracejoin's SpanExporter protocol, base.py), so the override is deliberately not Liskov.
-    def export(self, spans: Sequence[ExportSpan], timeout_s: float | None = None) -> ExportResult:
+    def export(  # type: ignore[override]
+        self, spans: Sequence[ExportSpan], timeout_s: float | None = None
+    ) -> ExportResult:
         """Not the SDK's export(ReadableSpan): tracejoin's SpanExporter protocol (base.py)."""
         if self._shutdown:
             return ExportResult.fail("exporter is shut down")

@@ -47,7 +47,7 @@ def encode_request_bytes(spans: Iterable[Span | EncodedSpan]) -> bytes:
         if entry is None:
             entry = by_id[id(res)] = (res, groups.setdefault(resource_field(res), []))
         group = entry[1]
-        body = span.body if type(span) is EncodedSpan else encode_span(span)
+        body = span.body if isinstance(span, EncodedSpan) else encode_span(span)
         n = len(body)
         group += (T_SS_SPAN, V1[n] if n < 0x80 else varint(n), body)
     out: list[bytes] = []
