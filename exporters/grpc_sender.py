@@ -111,8 +111,8 @@ class OtlpGrpcExporter(OTLPSpanExporter):
             EXPORT_METHOD, response_deserializer=ExportTraceServiceResponse.FromString
         )
 
-    # The package's transport with our encoder: it takes model.Span (or EncodedSpan), not the SDK's ReadableSpan
-    # (tracejoin's SpanExporter protocol, base.py), so the override is deliberately not Liskov.
+    # The package's transport with our encoder: it takes model.Span or EncodedSpan, not the SDK's
+    # ReadableSpan (tracejoin's SpanExporter protocol, base.py): deliberately not Liskov.
     def export(  # type: ignore[override]
         self, spans: Sequence[ExportSpan], timeout_s: float | None = None
     ) -> ExportResult:

@@ -42,7 +42,7 @@ from tracejoin.core.otlp_wire import (
     utf8,
     varint,
 )
-from tracejoin.core.record import WSF_STATS
+from tracejoin.core.record import WSF_CAP, WSF_NO_GAP, WSF_STATS
 from tracejoin.core.text import OTHER_METHOD, http_method, url_path
 from tracejoin.enrich.enricher import EnrichedRecord
 from tracejoin.kernel.decode import (
@@ -61,9 +61,9 @@ from tracejoin.pipeline.spans import (
     SpanOptions,
     _cuda,
     _cuda_attributes,
+    _shared_work_attributes,
     _tlb_names,
     _tracked,
-    _work_attributes,
     child_spans,
     needs_children,
     route_of,
@@ -156,6 +156,14 @@ _OFFCPU = _int_writer("tracejoin.sched.offcpu_ns")
 _SWITCHES = _int_writer("tracejoin.sched.context_switches")
 _MINFLT = _int_writer("tracejoin.mm.minor_faults")
 _MAJFLT = _int_writer("tracejoin.mm.major_faults")
+_WS_THREADS = _int_writer("tracejoin.work.threads")
+_WS_PROCESSES = _int_writer("tracejoin.work.processes")
+_WS_ONCPU = _int_writer("tracejoin.work.on_cpu_ns")
+_WS_READER_ONCPU = _int_writer("tracejoin.work.reader_on_cpu_ns")
+_WS_SHARED_WITH = _int_writer("tracejoin.work.shared_with_max")
+_WS_UNEXPLAINED = _int_writer("tracejoin.work.unexplained_wait_ns")
+_WS_REFUSED = _int_writer("tracejoin.work.threads_refused")
+_WS_UNSLOTTED = _int_writer("tracejoin.work.helpers_without_span")
 _UNFRAMED = _fixed("tracejoin.http.response_unframed", True)
 _tlb_writers: dict[str, IntWriter] = {}
 
@@ -270,10 +278,26 @@ def encode_spans(
     if measured:
         for name, v in zip(tlb, (rec.tlb_a, rec.tlb_b), strict=False):
             p.append(_tlb(name)(v))
-    # The work set's and CUDA's attributes vary in number and name: built as build_spans
-    # builds them and written by the exporters' own attribute encoder (identical bytes).
-    if tracked:
-        append_attributes(p, T_SPAN_ATTR, _work_attributes(rec, on, tlb))
+    if tracked:  # spans._work_attributes, in its order
+        ws_flags, oncpu = rec.ws_flags, rec.oncpu_ns
+        p += (
+            _WS_THREADS(rec.ws_threads),
+            _WS_PROCESSES(rec.ws_processes),
+            _WS_ONCPU(oncpu),
+            _WS_READER_ONCPU(max(0, oncpu - rec.helper_oncpu_ns)),
+            _WS_SHARED_WITH(rec.ws_shared_with_max),
+        )
+        if not ws_flags & WSF_NO_GAP:
+            p.append(_WS_UNEXPLAINED(rec.unexplained_wait_ns))
+        if ws_flags & WSF_CAP:
+            p.append(_WS_REFUSED(rec.ws_refused))
+        if rec.ws_unslotted:
+            p.append(_WS_UNSLOTTED(rec.ws_unslotted))
+        # The shared parts and CUDA's sums vary in number and name (and are rarer): built as
+        # build_spans builds them, written by the exporters' own attribute encoder.
+        shared = _shared_work_attributes(rec, on, tlb)
+        if shared:
+            append_attributes(p, T_SPAN_ATTR, shared)
     if _cuda(rec, on, tracked):
         append_attributes(p, T_SPAN_ATTR, _cuda_attributes(rec, on))
     if flags & REQF_RESP_UNTERM:

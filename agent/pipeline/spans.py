@@ -312,6 +312,16 @@ def _work_attributes(
         a["tracejoin.work.threads_refused"] = rec.ws_refused
     if rec.ws_unslotted:
         a["tracejoin.work.helpers_without_span"] = rec.ws_unslotted
+    a.update(_shared_work_attributes(rec, on, tlb))
+    return a
+
+
+def _shared_work_attributes(
+    rec: HttpRecord, on: Collection[str], tlb: tuple[str, ...]
+) -> dict[str, AttrValue]:
+    """What the work set's threads did while they also served other open requests; {} when
+    none did (the common case)."""
+    a: dict[str, AttrValue] = {}
     sh = rec.shared
     if rec.ws_shared_with_max or any(sh):
         a[SHARED + "on_cpu_ns"] = sh[WSIG_ONCPU]
