@@ -79,7 +79,8 @@ def _int_writer(key: str) -> IntWriter:
     """Span.attributes field for an int value of `key`: the framing is pre-encoded for each of
     the 10 varint lengths, so a value costs one varint and one concatenation."""
     kp = key_field(key)  # KeyValue.key field + KeyValue.value tag
-    assert len(kp) + 12 < 0x80, key  # every length below is then a one-byte varint
+    if len(kp) + 12 >= 0x80:  # then a length below would not be a one-byte varint
+        raise ValueError(f"attribute key too long for the pre-encoded framing: {key}")
     # KeyValue length = key field + value tag + AnyValue length byte + (int tag + n varint bytes)
     pre = (
         b"",
