@@ -17,6 +17,9 @@ The headline (`ratio`) is the builder's own path against the SDK, with spans sha
 the span builder's (its attribute names and counts, its child spans):
 
   tracejoin_build_and_encode  EnrichedRecord -> pipeline.spans.build_spans -> encode_request_bytes
+  tracejoin_encoded_path      EnrichedRecord -> pipeline.span_bytes.encode_spans (the server span
+                              straight to bytes, no Span object) -> encode_request_bytes: what
+                              `tracejoin run` does when every destination is OTLP
   sdk                         the same spans (names, kinds, parents, attributes) started and ended
                               through the SDK's tracer, processor and encoder
 
@@ -56,6 +59,7 @@ from tracejoin.core.model import (
     STATUS_ERROR,
     STATUS_UNSET,
     AttrValue,
+    EncodedSpan,
     Event,
     Resource,
     Span,
@@ -63,6 +67,7 @@ from tracejoin.core.model import (
 from tracejoin.enrich.enricher import EnrichedRecord, Enricher
 from tracejoin.exporters.otlp_proto import encode_request, encode_request_bytes
 from tracejoin.kernel.decode import HttpRecord, RecordDecoder
+from tracejoin.pipeline import span_bytes
 from tracejoin.pipeline.spans import SpanOptions, build_spans
 
 from bench.stages import agent_span_options, sample_record
@@ -189,6 +194,19 @@ def builder_build_and_encode(
         spans: list[Span] = []
         for e in records[i : i + BATCH]:
             spans += build_spans(e, opts, new_id)
+        total += len(encode_request_bytes(spans))
+    return total
+
+
+def builder_encoded_path(
+    records: Sequence[EnrichedRecord], opts: SpanOptions, new_id: Callable[[int], int]
+) -> int:
+    """The same through the object-free path (all destinations OTLP): returns bytes produced."""
+    total = 0
+    for i in range(0, len(records), BATCH):
+        spans: list[Span | EncodedSpan] = []
+        for e in records[i : i + BATCH]:
+            spans += span_bytes.encode_spans(e, opts, new_id)
         total += len(encode_request_bytes(spans))
     return total
 
@@ -372,6 +390,7 @@ def run(n_spans: int = 10_000, repeat: int = 3) -> dict[str, Any]:
         "tracejoin_build_and_encode": lambda: (
             lambda: builder_build_and_encode(records, opts, new_id)
         ),
+        "tracejoin_encoded_path": lambda: lambda: builder_encoded_path(records, opts, new_id),
         "sdk": lambda: sdk_path(built_requests),
         "tracejoin_encode": lambda: lambda: tracejoin_encode(spans),
         "tracejoin_encode_message": lambda: lambda: tracejoin_encode_message(spans),
@@ -383,6 +402,7 @@ def run(n_spans: int = 10_000, repeat: int = 3) -> dict[str, Any]:
     }
     counts = {
         "tracejoin_build_and_encode": len(built),
+        "tracejoin_encoded_path": len(built),
         "sdk": len(built),
     }
     best: dict[str, tuple[float, float, int]] = {}
@@ -420,6 +440,7 @@ def run(n_spans: int = 10_000, repeat: int = 3) -> dict[str, Any]:
         "builder_server_span_attributes": len(built[0].attributes),
         # the headline: the builder's spans, built and encoded, against the SDK doing the same
         "ratio": round(rates["tracejoin_build_and_encode"] / sdk, 2),
+        "ratio_encoded_path": round(rates["tracejoin_encoded_path"] / sdk, 2),
         "ratio_encode_only": round(rates["tracejoin_encode"] / rates["synthetic_sdk"], 2),
         "ratio_vs_sdk_encoder": round(rates["tracejoin_encode"] / rates["sdk_encoder"], 2),
     }
@@ -444,6 +465,10 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['builder_spans_per_record']} per record, "
         f"{result['builder_server_span_attributes']} attributes on the server span): "
         f"{result['ratio']:.2f}x"
+    )
+    lines.append(
+        f"ratio (tracejoin_encoded_path / sdk, the same spans, server span without objects): "
+        f"{result['ratio_encoded_path']:.2f}x"
     )
     lines.append(
         f"ratio (tracejoin_encode / synthetic_sdk, encode only): {result['ratio_encode_only']:.2f}x"

@@ -59,7 +59,11 @@ ExportResult.PERMANENT_FAILURE = ExportResult(ExportStatus.PERMANENT_FAILURE)
 @runtime_checkable
 class SpanExporter(Protocol):
     """One destination. `export` is called from one thread at a time; `shutdown` may be called
-    from another thread while an export is in flight, must not block, and is idempotent."""
+    from another thread while an export is in flight, must not block, and is idempotent.
+
+    An exporter that only sends OTLP protobuf may say so with a class attribute
+    `accepts_encoded = True`: it is then also given model.EncodedSpan (a server span the span
+    builder already wrote as bytes), whenever every destination of the pipeline accepts them."""
 
     def export(self, spans: Sequence[Span], timeout_s: float | None = None) -> ExportResult:
         """Send one batch. `timeout_s` caps this call (network senders); None: their default."""

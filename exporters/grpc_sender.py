@@ -24,7 +24,7 @@ from google.rpc import error_details_pb2, status_pb2
 from opentelemetry.exporter.otlp.proto.grpc.exporter import _load_credentials
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
-from tracejoin.core.model import Span
+from tracejoin.core.model import ExportSpan
 from tracejoin.exporters.base import ExportResult, ExportStatus
 from tracejoin.exporters.otlp_proto import encode_request_bytes
 
@@ -66,6 +66,8 @@ def _retry_delay_s(err: grpc.RpcError) -> float | None:
 class OtlpGrpcExporter(OTLPSpanExporter):
     """One unary TraceService/Export call per export(). `endpoint`: http://host:port
     (plaintext), https://host:port (TLS), or host:port (TLS unless `insecure`)."""
+
+    accepts_encoded = True  # model.EncodedSpan bodies go into the request as they are
 
     def __init__(
         self,
@@ -109,10 +111,10 @@ class OtlpGrpcExporter(OTLPSpanExporter):
             EXPORT_METHOD, response_deserializer=ExportTraceServiceResponse.FromString
         )
 
-    # The package's transport with our encoder: it takes model.Span, not the SDK's ReadableSpan
-    # (tracejoin's SpanExporter protocol, base.py), so the override is deliberately not Liskov.
+    # The package's transport with our encoder: it takes model.Span or EncodedSpan, not the SDK's
+    # ReadableSpan (tracejoin's SpanExporter protocol, base.py): deliberately not Liskov.
     def export(  # type: ignore[override]
-        self, spans: Sequence[Span], timeout_s: float | None = None
+        self, spans: Sequence[ExportSpan], timeout_s: float | None = None
     ) -> ExportResult:
         """Not the SDK's export(ReadableSpan): tracejoin's SpanExporter protocol (base.py)."""
         if self._shutdown:

@@ -30,7 +30,7 @@ from opentelemetry.exporter.otlp.common import http as otlp_http
 from opentelemetry.exporter.otlp.proto.http._common import _is_request_too_large
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
-from tracejoin.core.model import Span
+from tracejoin.core.model import ExportSpan
 from tracejoin.exporters.base import ExportResult, ExportStatus
 from tracejoin.exporters.otlp_proto import encode_request_bytes
 
@@ -40,6 +40,8 @@ USER_AGENT = f"tracejoin/{tracejoin.__version__}"
 
 class OtlpHttpExporter(OTLPSpanExporter):
     """POST application/x-protobuf to `url` (the full traces URL), one attempt per export()."""
+
+    accepts_encoded = True  # model.EncodedSpan bodies go into the request as they are
 
     def __init__(
         self,
@@ -65,10 +67,10 @@ class OtlpHttpExporter(OTLPSpanExporter):
         self.url = url
         self.timeout_s = timeout_s
 
-    # The package's transport with our encoder: it takes model.Span, not the SDK's ReadableSpan
-    # (tracejoin's SpanExporter protocol, base.py), so the override is deliberately not Liskov.
+    # The package's transport with our encoder: it takes model.Span or EncodedSpan, not the SDK's
+    # ReadableSpan (tracejoin's SpanExporter protocol, base.py): deliberately not Liskov.
     def export(  # type: ignore[override]
-        self, spans: Sequence[Span], timeout_s: float | None = None
+        self, spans: Sequence[ExportSpan], timeout_s: float | None = None
     ) -> ExportResult:
         """Not the SDK's export(ReadableSpan): tracejoin's SpanExporter protocol (base.py)."""
         if self._shutdown:

@@ -34,10 +34,10 @@ import random
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from tracejoin.core.metrics import Metrics
-from tracejoin.core.model import Span
+from tracejoin.core.model import ExportSpan, Span
 from tracejoin.exporters.base import ExportResult, SpanExporter
 
 log = logging.getLogger(__name__)
@@ -77,11 +77,15 @@ class BatchExportQueue:
         self.max_backoff_s = max_backoff_s
         self.max_elapsed_s = max_elapsed_s
         self._labels = {"exporter": name}
+        # An exporter that only sends OTLP protobuf (class attribute accepts_encoded) also takes
+        # model.EncodedSpan, the span builder's object-free output; the pipeline sends those only
+        # when every destination accepts them.
+        self.accepts_encoded: bool = getattr(exporter, "accepts_encoded", False)
         self._rng = rng or random.Random()
 
         self._cond = threading.Condition(threading.Lock())
-        self._queue: collections.deque[Span] = collections.deque()
-        self._inflight: list[Span] | None = None
+        self._queue: collections.deque[ExportSpan] = collections.deque()
+        self._inflight: list[ExportSpan] | None = None
         self._accepting = True
         self._flush_requested = False
         self._deadline: float | None = None  # set when shutdown begins
@@ -95,7 +99,7 @@ class BatchExportQueue:
 
     # -- producer side ---------------------------------------------------------------------
 
-    def submit(self, span: Span) -> bool:
+    def submit(self, span: ExportSpan) -> bool:
         """Queue one span; never waits. False (and counted) when full or shut down."""
         with self._cond:
             if self._accepting and len(self._queue) < self.max_queue_spans:
@@ -107,7 +111,7 @@ class BatchExportQueue:
             self.metrics.inc(DROPPED, 1, reason=reason, **self._labels)
         return False
 
-    def submit_many(self, spans: Sequence[Span]) -> int:
+    def submit_many(self, spans: Sequence[ExportSpan]) -> int:
         """Queue what fits of `spans` under one lock; the rest is dropped and counted, as
         submit() would have. Returns how many were queued."""
         with self._cond:
@@ -217,7 +221,7 @@ class BatchExportQueue:
                 log.exception("export%s: worker error", self._label_text())
                 self._settle(batch, ExportResult.fail(repr(err)))
 
-    def _next_batch(self) -> list[Span] | None:
+    def _next_batch(self) -> list[ExportSpan] | None:
         """Wait for a full batch, the flush interval, a flush request or shutdown; None: stop."""
         next_flush = time.monotonic() + self.flush_interval_s
         with self._cond:
@@ -240,7 +244,7 @@ class BatchExportQueue:
                 self._flush_requested = False
             return batch
 
-    def _export(self, batch: list[Span]) -> None:
+    def _export(self, batch: list[ExportSpan]) -> None:
         started = time.monotonic()
         attempt = 0
         while True:
@@ -251,7 +255,9 @@ class BatchExportQueue:
                     self._settle_shutdown(batch)
                     return
             try:
-                result = self.exporter.export(batch, timeout_s=timeout)
+                # EncodedSpans are in `batch` only when the exporter accepts_encoded
+                spans = cast("list[Span]", batch)
+                result = self.exporter.export(spans, timeout_s=timeout)
             except Exception as err:  # a bug would fail the same way again: do not retry
                 log.exception("export%s: exporter raised", self._label_text())
                 result = ExportResult.fail(repr(err))
@@ -296,7 +302,7 @@ class BatchExportQueue:
             else:
                 self._stop.wait(left)  # wakes early when shutdown begins, to re-check
 
-    def _settle(self, batch: list[Span], result: ExportResult) -> None:
+    def _settle(self, batch: list[ExportSpan], result: ExportResult) -> None:
         """Count a batch's outcome once, unless shutdown has already counted it."""
         n = len(batch)
         # Counted under the lock that shutdown takes to count what is left: whichever side
@@ -326,7 +332,7 @@ class BatchExportQueue:
                 "export%s: dropped %d spans: %s", self._label_text(), n, result.detail or result
             )
 
-    def _settle_shutdown(self, batch: list[Span]) -> None:
+    def _settle_shutdown(self, batch: list[ExportSpan]) -> None:
         """The batch cannot be sent before the shutdown deadline: count it as dropped."""
         with self._cond:
             if self._abandoned or self._inflight is not batch:
@@ -345,15 +351,16 @@ class FanoutQueue:
 
     def __init__(self, queues: Iterable[BatchExportQueue]) -> None:
         self.queues = list(queues)
+        self.accepts_encoded = all(q.accepts_encoded for q in self.queues)
 
-    def submit(self, span: Span) -> bool:
+    def submit(self, span: ExportSpan) -> bool:
         """True if every destination took the span (each counts its own drops)."""
         ok = True
         for q in self.queues:
             ok = q.submit(span) and ok
         return ok
 
-    def submit_many(self, spans: Sequence[Span]) -> int:
+    def submit_many(self, spans: Sequence[ExportSpan]) -> int:
         """Each destination takes what fits (each counts its own drops); returns the fewest
         any destination took."""
         return min((q.submit_many(spans) for q in self.queues), default=len(spans))

@@ -65,3 +65,17 @@ class Span:
     @property
     def duration_ns(self) -> int:
         return self.end_ns - self.start_ns
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedSpan:
+    """A span the span builder already wrote as the body of an OTLP `Span` message (the
+    object-free path, pipeline/span_bytes.py). Only destinations that send OTLP protobuf take it
+    (their `accepts_encoded`); they place `body` under `resource`'s ResourceSpans as it is."""
+
+    resource: Resource
+    body: bytes
+
+
+# What a destination's queue carries: a span object, or one already encoded (OTLP destinations).
+ExportSpan = Span | EncodedSpan

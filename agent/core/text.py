@@ -16,6 +16,7 @@ before they become strings (docs/attributes.md, docs/capture.md):
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 # OTel HTTP semantic conventions: the methods of RFC 9110, PATCH (RFC 5789) and QUERY, compared
 # exactly (method names are case-sensitive: "get" is not GET).
@@ -46,6 +47,7 @@ _PRINTABLE_ASCII = bytes(range(0x21, 0x7F))
 _KNOWN = {m.encode(): (m, None) for m in KNOWN_METHODS}
 
 
+@lru_cache(maxsize=256)  # per record on the hot path; a few methods repeat
 def http_method(raw: bytes) -> tuple[str, str | None]:
     """(http.request.method, http.request.method_original or None) for the method bytes.
 
@@ -67,6 +69,7 @@ def _percent(m: re.Match[str]) -> str:
     return "".join(f"%{b:02X}" for b in ch.encode())
 
 
+@lru_cache(maxsize=4096)  # per record on the hot path; paths repeat (bounded: hostile ones)
 def url_path(raw: bytes) -> str:
     """The url.path value for the path bytes of a request line.
 

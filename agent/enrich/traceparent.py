@@ -13,6 +13,7 @@ from dataclasses import dataclass
 VALUE_LEN = 55  # "00-" + 32 + "-" + 16 + "-" + 2
 _HEX = frozenset(b"0123456789abcdef")
 _UPPER_HEX = frozenset(b"ABCDEF")
+_HEX_OR_DASH = b"0123456789abcdef-"
 
 # Rejection reasons, exported as the `reason` label of the rejection counter.
 DUPLICATE = "duplicate"
@@ -64,6 +65,20 @@ def parse(value: bytes, total_len: int | None = None) -> TraceParent | str:
     TraceParent, or the rejection reason (a member of REASONS).
     """
     n = len(value) if total_len is None else total_len
+    # The common case first, in a few C calls: a version-00 value of lowercase hex with its
+    # three dashes in place and non-zero ids. Anything else takes the rules below, which also
+    # name the reason.
+    if (
+        n == VALUE_LEN
+        and value[:3] == b"00-"
+        and value[35:36] == b"-"
+        and value[52:53] == b"-"
+        and value.count(b"-") == 3
+        and not value.translate(None, _HEX_OR_DASH)
+    ):
+        trace_id, parent_id = int(value[3:35], 16), int(value[36:52], 16)
+        if trace_id and parent_id:
+            return TraceParent(trace_id, parent_id, int(value[53:55], 16))
     if n < VALUE_LEN or len(value) < VALUE_LEN:
         return TRUNCATED
     if value[2:3] != b"-" or value[35:36] != b"-" or value[52:53] != b"-":

@@ -18,9 +18,10 @@ measurements under `tracejoin.*`, named for what was measured (a TLB flush is no
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 
 from tracejoin.core.model import (
     KIND_INTERNAL,
@@ -50,6 +51,7 @@ from tracejoin.core.record import (
     H2F_RST,
     H2F_STREAM,
     H2F_UNRESOLVED,
+    RUNQ_SLOTS,
     WS_SLOTS,
     WSF_CAP,
     WSF_CUDA,
@@ -116,6 +118,7 @@ def _h2_ended_by(flags: int) -> str | None:
     return None
 
 
+@lru_cache(maxsize=4096)  # paths repeat; the regex per segment costs microseconds
 def route_of(path: str) -> str:
     """Bounded-cardinality route for span names: ids -> {id}, at most 4 segments."""
     if not path.startswith("/"):
@@ -211,8 +214,7 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
         attrs["tracejoin.traceparent.rejected"] = e.rejected
     if rec.flags & REQF_PATH_TRUNC:
         attrs["tracejoin.http.path_truncated"] = True
-    queued = SIG_RECVQ in on and 0 < rec.arrival_ns <= rec.read_ns
-    if queued:
+    if _queued(rec, on):
         attrs["tracejoin.tcp.receive_queue_wait_ns"] = rec.read_ns - rec.arrival_ns
     if rec.flags & REQF_FIRST_ON_CONN and 0 < rec.est_ns <= rec.read_ns:
         attrs["tracejoin.tcp.handshake_to_first_read_ns"] = rec.read_ns - rec.est_ns
@@ -229,7 +231,7 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
     # With the work set on, the kernel signals are sums over it (its own part); without it, the
     # reading thread's deltas. A set the kernel lost, or counters it never took at the read, give
     # no values, and an absent value must not read as a measured zero.
-    tracked = SIG_WORKSET in on and bool(rec.ws_flags & WSF_TRACKED)
+    tracked = _tracked(rec, on)
     measured = tracked if SIG_WORKSET in on else bool(rec.ws_flags & WSF_STATS)
     if SIG_SCHED in on and measured:
         attrs["tracejoin.sched.runq_wait_ns"] = rec.runq_ns
@@ -244,8 +246,7 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
         attrs.update(zip(tlb, (rec.tlb_a, rec.tlb_b), strict=False))
     if tracked:
         attrs.update(_work_attributes(rec, on, tlb))
-    cuda = tracked and SIG_CUDA in on and bool(rec.ws_flags & WSF_CUDA)
-    if cuda:
+    if _cuda(rec, on, tracked):
         attrs.update(_cuda_attributes(rec, on))
     if rec.flags & REQF_RESP_UNTERM:
         attrs["tracejoin.http.response_unframed"] = True
@@ -276,8 +277,51 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
         status_message=message,
         trace_flags=e.trace_flags,
     )
-    spans = [server]
-    if queued and rec.read_ns - rec.arrival_ns >= opts.recvq_child_threshold_ns:
+    return [server, *child_spans(e, server, opts, new_id)]
+
+
+def _queued(rec: HttpRecord, on: Collection[str]) -> bool:
+    """The receive-queue wait was measured (its signal on, and the arrival before the read)."""
+    return SIG_RECVQ in on and 0 < rec.arrival_ns <= rec.read_ns
+
+
+def _tracked(rec: HttpRecord, on: Collection[str]) -> bool:
+    """The work set is on and the kernel kept this request's set."""
+    return SIG_WORKSET in on and bool(rec.ws_flags & WSF_TRACKED)
+
+
+def _cuda(rec: HttpRecord, on: Collection[str], tracked: bool) -> bool:
+    return tracked and SIG_CUDA in on and bool(rec.ws_flags & WSF_CUDA)
+
+
+# rec.runq as (start_ns, dur_ns) pairs read in one go: iterating the ctypes array makes an
+# object per slot, which costs more than the rest of the check.
+_RUNQ_PAIRS = struct.Struct(f"={2 * RUNQ_SLOTS}Q")
+_RUNQ_OFFSET = HttpRecord.runq.offset
+
+
+def needs_children(rec: HttpRecord, opts: SpanOptions) -> bool:
+    """Whether child_spans can return anything for this record: the object-free path
+    (span_bytes.py) makes a parent `Span` for them only then. Errs on the side of True."""
+    on = opts.signals
+    if _queued(rec, on) and rec.read_ns - rec.arrival_ns >= opts.recvq_child_threshold_ns:
+        return True
+    if SIG_SCHED in on:
+        pairs = _RUNQ_PAIRS.unpack_from(rec, _RUNQ_OFFSET)
+        if max(pairs[1::2]) >= opts.runq_child_threshold_ns:
+            return True
+    return _tracked(rec, on) and (rec.ws_nslots > 0 or bool(rec.ws_flags & WSF_CUDA))
+
+
+def child_spans(
+    e: EnrichedRecord, server: Span, opts: SpanOptions, new_id: Callable[[int], int]
+) -> list[Span]:
+    """The request's child spans under `server` (only its ids, resource and flags are read):
+    a long receive-queue wait, long run-queue waits, the work set's helpers, CUDA waits."""
+    rec = e.rec
+    on = opts.signals
+    spans = []
+    if _queued(rec, on) and rec.read_ns - rec.arrival_ns >= opts.recvq_child_threshold_ns:
         spans.append(
             _child(
                 server,
@@ -292,9 +336,10 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
             if w.dur_ns >= opts.runq_child_threshold_ns and w.start_ns:
                 s0 = e.epoch_ns(w.start_ns)
                 spans.append(_child(server, new_id(64), "sched.runq_wait", s0, s0 + w.dur_ns))
-    helpers = _helper_spans(e, server, on, tlb, new_id) if tracked else []
+    tracked = _tracked(rec, on)
+    helpers = _helper_spans(e, server, on, _tlb_names(rec, opts), new_id) if tracked else []
     spans.extend(helpers)
-    if cuda:
+    if _cuda(rec, on, tracked):
         spans.extend(_cuda_wait_spans(e, server, helpers, new_id))
     return spans
 
@@ -326,6 +371,16 @@ def _work_attributes(
         a["tracejoin.work.threads_refused"] = rec.ws_refused
     if rec.ws_unslotted:
         a["tracejoin.work.helpers_without_span"] = rec.ws_unslotted
+    a.update(_shared_work_attributes(rec, on, tlb))
+    return a
+
+
+def _shared_work_attributes(
+    rec: HttpRecord, on: Collection[str], tlb: tuple[str, ...]
+) -> dict[str, AttrValue]:
+    """What the work set's threads did while they also served other open requests; {} when
+    none did (the common case)."""
+    a: dict[str, AttrValue] = {}
     sh = rec.shared
     if rec.ws_shared_with_max or any(sh):
         a[SHARED + "on_cpu_ns"] = sh[WSIG_ONCPU]

@@ -22,10 +22,11 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from tracejoin.core.metrics import Metrics
-from tracejoin.core.model import AttrValue, Span
+from tracejoin.core.model import AttrValue, ExportSpan, Span
 from tracejoin.enrich.enricher import EnrichedRecord, Enricher
 from tracejoin.kernel.decode import HttpRecord, RecordDecoder
 from tracejoin.kernel.probes import ProbeStatus
+from tracejoin.pipeline.span_bytes import encode_spans
 from tracejoin.pipeline.spans import SpanOptions, build_spans
 
 log = logging.getLogger(__name__)
@@ -51,9 +52,11 @@ class RecordSource(Protocol):
 
 class Destination(Protocol):
     name: str
+    # True when the destination only sends OTLP protobuf and so takes model.EncodedSpan too
+    accepts_encoded: bool
 
     def start(self) -> None: ...
-    def submit(self, span: Span) -> bool: ...
+    def submit(self, span: ExportSpan) -> bool: ...
     def shutdown(self, timeout_s: float = ...) -> None: ...
 
 
@@ -140,6 +143,14 @@ class Pipeline:
         self.destinations = list(destinations)
         self.gpu_hold = gpu_hold
         self.observers = list(observers)
+        # The object-free path (span_bytes: the server span written straight to OTLP bytes)
+        # when every destination sends OTLP protobuf and no observer needs the Span objects;
+        # otherwise build_spans, the reference path, for all.
+        self.encode = (
+            bool(self.destinations)
+            and not self.observers
+            and all(getattr(d, "accepts_encoded", False) for d in self.destinations)
+        )
         self._stop = threading.Event()
         self._paused = threading.Event()
         self._reader: threading.Thread | None = None
@@ -187,12 +198,16 @@ class Pipeline:
     def _emit_all(self, records: list[EnrichedRecord]) -> None:
         if not records:
             return
-        out: list[Span] = []
+        out: list[ExportSpan] = []
         failed = 0
         observed: list[tuple[list[Span], HttpRecord]] = []
+        opts, new_id = self.span_options, self.enricher.new_id
         for e in records:
             try:
-                spans = build_spans(e, self.span_options, self.enricher.new_id)
+                if self.encode:
+                    out += encode_spans(e, opts, new_id)
+                    continue
+                spans = build_spans(e, opts, new_id)
             except Exception:
                 log.exception("building a span failed")
                 failed += 1

@@ -1,0 +1,332 @@
+"""Enriched record -> the request's server span as OTLP protobuf bytes, with no `Span` object and
+no attribute dict: the object-free twin of spans.build_spans, for destinations that only send
+OTLP protobuf (`tracejoin run`, a capture whose destinations all accept encoded spans).
+
+Everything constant is encoded once, at import: each attribute key with its KeyValue/AnyValue
+framing for every varint length, the fixed (network.*) pair, the span kinds and statuses. Per
+record only the values are written (varints, the ids and times in one struct pack each) and
+joined. build_spans stays the reference: `test_span_bytes` builds both over a varied set of
+records and compares the parsed requests, so the attribute order here follows build_spans'
+line by line; a change to one must be made to the other.
+
+Child spans (a long receive-queue wait, run-queue waits, work-set helpers, CUDA waits) keep the
+object path: they are rare and their parent only lends its ids. So do HTTP/2 streams (their
+rpc.* and http2 attributes and gRPC status rules live in build_spans only): the OTLP encoder
+takes a batch that mixes both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tracejoin.core.model import (
+    KIND_INTERNAL,
+    KIND_SERVER,
+    STATUS_ERROR,
+    EncodedSpan,
+    Span,
+)
+from tracejoin.core.otlp_wire import (
+    INT64_MAX,
+    T_ANY_INT,
+    T_ANY_STRING,
+    T_SPAN_ATTR,
+    T_SPAN_KIND,
+    T_SPAN_NAME,
+    T_SPAN_STATUS,
+    V1,
+    append_attributes,
+    key_field,
+    kv_slow,
+    ld,
+    span_head,
+    status_body,
+    utf8,
+    varint,
+)
+from tracejoin.core.record import H2F_STREAM, WSF_CAP, WSF_NO_GAP, WSF_STATS
+from tracejoin.core.text import OTHER_METHOD, http_method, url_path
+from tracejoin.enrich.enricher import EnrichedRecord
+from tracejoin.kernel.decode import (
+    REQF_FIRST_ON_CONN,
+    REQF_NO_RESPONSE,
+    REQF_PATH_TRUNC,
+    REQF_RESP_UNTERM,
+)
+from tracejoin.pipeline.spans import (
+    KERNEL_SUFFIX,
+    SIG_FAULTS,
+    SIG_RECVQ,
+    SIG_SCHED,
+    SIG_TCP_STATS,
+    SIG_WORKSET,
+    SpanOptions,
+    _cuda,
+    _cuda_attributes,
+    _shared_work_attributes,
+    _tlb_names,
+    _tracked,
+    build_spans,
+    child_spans,
+    needs_children,
+    route_of,
+)
+
+IntWriter = Callable[[int], bytes]
+StrWriter = Callable[[str], bytes]
+
+_CACHE_MAX = 4096  # per string attribute; cleared when full (bounded memory, as otlp_wire's)
+
+
+def _int_writer(key: str) -> IntWriter:
+    """Span.attributes field for an int value of `key`: the framing is pre-encoded for each of
+    the 10 varint lengths, so a value costs one varint and one concatenation."""
+    kp = key_field(key)  # KeyValue.key field + KeyValue.value tag
+    if len(kp) + 12 >= 0x80:  # then a length below would not be a one-byte varint
+        raise ValueError(f"attribute key too long for the pre-encoded framing: {key}")
+    # KeyValue length = key field + value tag + AnyValue length byte + (int tag + n varint bytes)
+    pre = (
+        b"",
+        *(T_SPAN_ATTR + V1[len(kp) + 2 + n] + kp + V1[1 + n] + T_ANY_INT for n in range(1, 11)),
+    )
+
+    def write(v: int) -> bytes:
+        if 0 <= v <= INT64_MAX:
+            b = V1[v] if v < 0x80 else varint(v)
+            return pre[len(b)] + b
+        return T_SPAN_ATTR + kv_slow(key, v)  # beyond int64 (a string), as otlp_wire does
+
+    return write
+
+
+def _str_writer(key: str) -> StrWriter:
+    """Span.attributes field for a string value of `key`; values repeat (methods, addresses,
+    paths), so each field is kept, up to _CACHE_MAX per key."""
+    kp = key_field(key)
+    cache: dict[str, bytes] = {}
+
+    def write(v: str) -> bytes:
+        got = cache.get(v)
+        if got is None:
+            b = utf8(v)
+            n = len(b)
+            if len(kp) + 3 + n < 0x80:
+                # KeyValue: key field, value tag, AnyValue length, AnyValue (string tag, len, b)
+                got = T_SPAN_ATTR + V1[len(kp) + 3 + n] + kp + V1[2 + n] + T_ANY_STRING + V1[n] + b
+            else:
+                got = T_SPAN_ATTR + kv_slow(key, v)
+            if len(cache) >= _CACHE_MAX:
+                cache.clear()
+            cache[v] = got
+        return got
+
+    return write
+
+
+def _fixed(key: str, value: str | bool) -> bytes:
+    parts: list[bytes] = []
+    append_attributes(parts, T_SPAN_ATTR, {key: value})
+    return b"".join(parts)
+
+
+# One writer per attribute of build_spans' server span, in its order.
+_METHOD = _str_writer("http.request.method")
+_PATH = _str_writer("url.path")
+_NETWORK = _fixed("network.protocol.name", "http") + _fixed("network.transport", "tcp")
+_TID = _int_writer("thread.id")
+_REQ_SIZE = _int_writer("http.request.size")
+_RESP_SIZE = _int_writer("http.response.size")
+_CONN_ID = _int_writer("tracejoin.connection.id")
+_SEQ = _int_writer("tracejoin.connection.request_seq")
+_METHOD_ORIGINAL = _str_writer("http.request.method_original")
+_STATUS_CODE = _int_writer("http.response.status_code")
+_SERVER_ADDR = _str_writer("server.address")
+_SERVER_PORT = _int_writer("server.port")
+_CLIENT_ADDR = _str_writer("client.address")
+_CLIENT_PORT = _int_writer("client.port")
+_SERVICE_SOURCE = _str_writer("tracejoin.service_name.source")
+_INSTRUMENTED = _str_writer("tracejoin.instrumented.source")
+_REJECTED = _str_writer("tracejoin.traceparent.rejected")
+_PATH_TRUNCATED = _fixed("tracejoin.http.path_truncated", True)
+_RECVQ_WAIT = _int_writer("tracejoin.tcp.receive_queue_wait_ns")
+_HANDSHAKE = _int_writer("tracejoin.tcp.handshake_to_first_read_ns")
+_TTFB = _int_writer("tracejoin.http.time_to_first_response_byte_ns")
+_RETRANS = _int_writer("tracejoin.tcp.retransmits")
+_SRTT = _int_writer("tracejoin.tcp.srtt_us")
+_UNACKED = _int_writer("tracejoin.tcp.unacked_max_bytes")
+_RUNQ = _int_writer("tracejoin.sched.runq_wait_ns")
+_RUNQ_MAX = _int_writer("tracejoin.sched.runq_wait_max_ns")
+_OFFCPU = _int_writer("tracejoin.sched.offcpu_ns")
+_SWITCHES = _int_writer("tracejoin.sched.context_switches")
+_MINFLT = _int_writer("tracejoin.mm.minor_faults")
+_MAJFLT = _int_writer("tracejoin.mm.major_faults")
+_WS_THREADS = _int_writer("tracejoin.work.threads")
+_WS_PROCESSES = _int_writer("tracejoin.work.processes")
+_WS_ONCPU = _int_writer("tracejoin.work.on_cpu_ns")
+_WS_READER_ONCPU = _int_writer("tracejoin.work.reader_on_cpu_ns")
+_WS_SHARED_WITH = _int_writer("tracejoin.work.shared_with_max")
+_WS_UNEXPLAINED = _int_writer("tracejoin.work.unexplained_wait_ns")
+_WS_REFUSED = _int_writer("tracejoin.work.threads_refused")
+_WS_UNSLOTTED = _int_writer("tracejoin.work.helpers_without_span")
+_UNFRAMED = _fixed("tracejoin.http.response_unframed", True)
+_tlb_writers: dict[str, IntWriter] = {}
+
+_KIND = {k: T_SPAN_KIND + V1[k] for k in (KIND_SERVER, KIND_INTERNAL)}
+_NO_RESPONSE = ld(T_SPAN_STATUS, status_body(STATUS_ERROR, "connection closed before a response"))
+_SERVER_ERROR = ld(T_SPAN_STATUS, status_body(STATUS_ERROR, ""))
+
+_names: dict[tuple[str, str, bool], bytes] = {}  # (method, path, instrumented) -> name field
+
+
+def _name_field(method: str, path: str, instrumented: bool) -> bytes:
+    got = _names.get((method, path, instrumented))
+    if got is None:
+        name = f"{'HTTP' if method == OTHER_METHOD else method} {route_of(path)}"
+        b = utf8(f"{name}{KERNEL_SUFFIX}" if instrumented else name)
+        got = T_SPAN_NAME + varint(len(b)) + b
+        if len(_names) >= _CACHE_MAX:
+            _names.clear()
+        _names[(method, path, instrumented)] = got
+    return got
+
+
+def _tlb(name: str) -> IntWriter:
+    w = _tlb_writers.get(name)
+    if w is None:
+        w = _tlb_writers[name] = _int_writer(name)
+    return w
+
+
+def encode_spans(
+    e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], int]
+) -> list[Span | EncodedSpan]:
+    """What build_spans(e, opts, new_id) makes, with the server span as bytes (same ids drawn
+    from new_id in the same order, same attributes in the same order)."""
+    rec = e.rec
+    if rec.h2_flags & H2F_STREAM:
+        return list(build_spans(e, opts, new_id))
+    on = opts.signals
+    method, method_original = http_method(rec.method_bytes())
+    path = url_path(rec.path_bytes())
+    flags = rec.flags
+    instrumented = bool(e.instrumented)
+    span_id = new_id(64)
+    # each ctypes field read makes a new int: read the times once (EnrichedRecord's
+    # start_mono_ns/end_mono_ns, inline)
+    arrival_ns, read_ns, off = rec.arrival_ns, rec.read_ns, e.clock_offset_ns
+    queued = 0 < arrival_ns <= read_ns
+    p = [
+        span_head(
+            e.trace_id,
+            span_id,
+            e.parent_id,
+            (arrival_ns if queued else read_ns) + off,
+            max(rec.end_ns, read_ns) + off,
+            e.trace_flags,
+        ),
+        _name_field(method, path, instrumented),
+        _KIND[KIND_INTERNAL if instrumented else KIND_SERVER],
+        _METHOD(method),
+        _PATH(path),
+        _NETWORK,
+        _TID(rec.tid),
+        _REQ_SIZE(rec.req_bytes),
+        _RESP_SIZE(rec.resp_bytes),
+        _CONN_ID(rec.conn_id),
+        _SEQ(rec.seq),
+    ]
+    if method_original is not None:
+        p.append(_METHOD_ORIGINAL(method_original))
+    status = rec.status
+    if status:
+        p.append(_STATUS_CODE(status))
+    ep = e.endpoints
+    if ep is not None:
+        p += (
+            _SERVER_ADDR(ep.local_addr),
+            _SERVER_PORT(ep.local_port),
+            _CLIENT_ADDR(ep.peer_addr),
+            _CLIENT_PORT(ep.peer_port),
+        )
+    if e.service_name_source:
+        p.append(_SERVICE_SOURCE(e.service_name_source))
+    if e.instrumented:
+        p.append(_INSTRUMENTED(e.instrumented))
+    if e.rejected is not None:
+        p.append(_REJECTED(e.rejected))
+    if flags & REQF_PATH_TRUNC:
+        p.append(_PATH_TRUNCATED)
+    if queued and SIG_RECVQ in on:
+        p.append(_RECVQ_WAIT(read_ns - arrival_ns))
+    if flags & REQF_FIRST_ON_CONN and 0 < rec.est_ns <= read_ns:
+        p.append(_HANDSHAKE(read_ns - rec.est_ns))
+    if rec.resp_start_ns:
+        p.append(_TTFB(max(0, rec.resp_start_ns - read_ns)))
+    if SIG_TCP_STATS in on:
+        p.append(_RETRANS(rec.retrans))
+        if rec.srtt_us:
+            p.append(_SRTT(rec.srtt_us))
+        if rec.unacked_max:
+            p.append(_UNACKED(rec.unacked_max))
+    tracked = _tracked(rec, on)
+    measured = tracked if SIG_WORKSET in on else bool(rec.ws_flags & WSF_STATS)
+    if measured:
+        if SIG_SCHED in on:
+            p += (
+                _RUNQ(rec.runq_ns),
+                _RUNQ_MAX(rec.runq_max_ns),
+                _OFFCPU(rec.offcpu_ns),
+                _SWITCHES(rec.nr_switches),
+            )
+        if SIG_FAULTS in on:
+            p += (_MINFLT(rec.minflt), _MAJFLT(rec.majflt))
+    tlb = _tlb_names(rec, opts)
+    if measured:
+        for name, v in zip(tlb, (rec.tlb_a, rec.tlb_b), strict=False):
+            p.append(_tlb(name)(v))
+    if tracked:  # spans._work_attributes, in its order
+        ws_flags, oncpu = rec.ws_flags, rec.oncpu_ns
+        p += (
+            _WS_THREADS(rec.ws_threads),
+            _WS_PROCESSES(rec.ws_processes),
+            _WS_ONCPU(oncpu),
+            _WS_READER_ONCPU(max(0, oncpu - rec.helper_oncpu_ns)),
+            _WS_SHARED_WITH(rec.ws_shared_with_max),
+        )
+        if not ws_flags & WSF_NO_GAP:
+            p.append(_WS_UNEXPLAINED(rec.unexplained_wait_ns))
+        if ws_flags & WSF_CAP:
+            p.append(_WS_REFUSED(rec.ws_refused))
+        if rec.ws_unslotted:
+            p.append(_WS_UNSLOTTED(rec.ws_unslotted))
+        # The shared parts and CUDA's sums vary in number and name (and are rarer): built as
+        # build_spans builds them, written by the exporters' own attribute encoder.
+        shared = _shared_work_attributes(rec, on, tlb)
+        if shared:
+            append_attributes(p, T_SPAN_ATTR, shared)
+    if _cuda(rec, on, tracked):
+        append_attributes(p, T_SPAN_ATTR, _cuda_attributes(rec, on))
+    if flags & REQF_RESP_UNTERM:
+        p.append(_UNFRAMED)
+    if e.gpu:  # tracejoin.gpu.*: no name above, so appending keeps build_spans' dict order
+        append_attributes(p, T_SPAN_ATTR, e.gpu)
+    if flags & REQF_NO_RESPONSE:
+        p.append(_NO_RESPONSE)
+    elif status >= 500:
+        p.append(_SERVER_ERROR)
+    out: list[Span | EncodedSpan] = [EncodedSpan(e.resource, b"".join(p))]
+    if needs_children(rec, opts):
+        # the children's parent: only its ids, resource and flags are read
+        parent = Span(
+            trace_id=e.trace_id,
+            span_id=span_id,
+            parent_span_id=e.parent_id,
+            name="",
+            kind=KIND_SERVER,
+            start_ns=0,
+            end_ns=0,
+            resource=e.resource,
+            trace_flags=e.trace_flags,
+        )
+        out += child_spans(e, parent, opts, new_id)
+    return out

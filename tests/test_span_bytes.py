@@ -1,0 +1,283 @@
+"""The object-free span path (pipeline/span_bytes.py) against the reference (build_spans +
+otlp_proto): for a varied set of records both are built with the same ids and must give the
+same ExportTraceServiceRequest, byte for byte and as parsed messages. And the pipeline takes
+the object-free path only when every destination sends OTLP protobuf and nothing observes."""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import random
+from collections.abc import Callable
+
+import pytest
+from records import PID, TID, record
+from tracejoin.core import record as R
+from tracejoin.core.metrics import Metrics
+from tracejoin.core.model import EncodedSpan, Resource, Span
+from tracejoin.enrich.correlate import Endpoints
+from tracejoin.enrich.enricher import EnrichedRecord, Enricher
+from tracejoin.exporters.otlp_proto import encode_request, encode_request_bytes
+from tracejoin.kernel.decode import (
+    REQF_FIRST_ON_CONN,
+    REQF_NO_RESPONSE,
+    REQF_PATH_TRUNC,
+    REQF_RESP_UNTERM,
+    REQF_TLB_HW,
+    HttpRecord,
+)
+from tracejoin.pipeline.span_bytes import encode_spans
+from tracejoin.pipeline.spans import SpanOptions, build_spans
+
+TP = f"00-{TID:032x}-{PID:016x}-01"
+SIGNAL_SETS = {
+    "none": frozenset(),
+    "basic": frozenset({"recvq", "tcp_stats", "sched", "page_faults"}),
+    "workset": frozenset({"recvq", "tcp_stats", "sched", "page_faults", "workset"}),
+    "cuda": frozenset({"recvq", "sched", "page_faults", "workset", "cuda", "cuda_launches"}),
+}
+
+
+def resource(pid: int) -> Resource:
+    exe = {1: "server", 77: "engine"}.get(pid)
+    attrs = (("service.name", "svc"), ("process.pid", pid))
+    return Resource(attrs + ((("process.executable.name", exe),) if exe else ()))
+
+
+def _workset(r: HttpRecord, shared: bool) -> None:
+    r.ws_flags |= R.WSF_TRACKED
+    r.ws_threads, r.ws_processes = 3, 2
+    r.oncpu_ns, r.helper_oncpu_ns, r.unexplained_wait_ns = 3_000_000, 2_700_000, 20_000
+    r.runq_ns, r.runq_max_ns, r.offcpu_ns, r.nr_switches = 50_000, 30_000, 900_000, 7
+    r.minflt, r.majflt, r.tlb_a, r.tlb_b = 515, 1, 12, 3
+    for i, (tid, pid, comm) in enumerate(((4242, 1, b"worker"), (99, 77, b"eng\xc3\xa9"))):
+        m = r.members[i]
+        m.tid, m.pid = tid, pid
+        ctypes.memmove(ctypes.addressof(m) + R.WsMember.comm.offset, comm, len(comm))
+        m.join_ns, m.leave_ns = r.read_ns + 1000, r.read_ns + 2_000_000
+        m.oncpu_ns, m.minflt, m.runq_ns, m.tlb_a = 1_000_000, 40, 5, 2
+        m.shared_oncpu_ns = 7 if shared else 0
+    r.ws_nslots = 2
+    if shared:
+        r.ws_shared_with_max = 3
+        r.shared[R.WSIG_ONCPU], r.shared[R.WSIG_MINFLT] = 123_456, 9
+        r.shared_apportioned_ns = 41_000
+    else:
+        r.ws_flags |= R.WSF_CAP | R.WSF_NO_GAP
+        r.ws_refused, r.ws_unslotted = 4, 1
+
+
+def _cuda(r: HttpRecord, shared: bool) -> None:
+    r.ws_flags |= R.WSF_CUDA
+    r.cuda.own[R.CSIG_MEMCPY_H2D], r.cuda.own[R.CSIG_SYNC_NS] = 4096, 30_000_000
+    r.cuda.own[R.CSIG_LAUNCHES] = 1 << 40
+    if shared:
+        r.cuda.shared[R.CSIG_SYNC_CALLS] = 2
+    w = r.cuda.waits[0]
+    w.start_ns, w.dur_ns, w.tid, w.api, w.shared = r.read_ns + 5, 2_000_000, 4242, 1, int(shared)
+
+
+def records() -> list[tuple[str, HttpRecord]]:
+    """Records that vary one or two things each around a plain GET."""
+    out: list[tuple[str, HttpRecord]] = []
+    for status in (0, 200, 302, 404, 503):
+        out.append((f"status {status}", record(TP, status=status)))
+    for name, flag in (
+        ("path_trunc", REQF_PATH_TRUNC),
+        ("no_response", REQF_NO_RESPONSE),
+        ("unframed", REQF_RESP_UNTERM),
+        ("tlb_hw", REQF_TLB_HW),
+        ("all flags", REQF_PATH_TRUNC | REQF_NO_RESPONSE | REQF_RESP_UNTERM | REQF_TLB_HW),
+    ):
+        out.append((name, record(TP, flags=flag, status=500 if name == "all flags" else 200)))
+    r = record(TP, flags=REQF_FIRST_ON_CONN)
+    r.est_ns = 500_000
+    out.append(("first on connection", r))
+    out.append(("root (no traceparent)", record(None)))
+    out.append(("rejected traceparent", record(TP.upper())))
+    out.append(("unicode path", record(TP, path="/café/ü/123/%zz/\x01".encode())))
+    out.append(("raw bytes path", record(TP, path=b"/\xff\xfe/a b")))
+    out.append(("long path", record(TP, path=b"/" + b"a/" * 60)))
+    r = record(TP)
+    r.method, r.method_len = b"BREW", 4
+    out.append(("unknown method", r))
+    r = record(TP)
+    r.conn_id, r.seq, r.retrans, r.srtt_us, r.unacked_max = (1 << 64) - 1, 1 << 63, 3, 250, 9000
+    out.append(("big counters", r))
+    r = record(TP, arrival=0)
+    r.resp_start_ns = 0
+    out.append(("no arrival, no response start", r))
+    out.append(("long receive-queue wait (child)", record(TP, arrival=1, read=50_000_000)))
+    r = record(TP)
+    r.runq[0].start_ns, r.runq[0].dur_ns = 3_500_000, 5_000_000
+    out.append(("long run-queue wait (child)", r))
+    r = record(TP)
+    r.ws_flags = 0
+    out.append(("reader counters not taken", r))
+    r = record(TP, path=b"/tj.Echo/Say")  # an HTTP/2 gRPC stream: the object path, mixed in
+    r.h2_flags, r.grpc_status = R.H2F_STREAM | R.H2F_RST, 14
+    out.append(("http2 grpc stream", r))
+    for shared in (False, True):
+        r = record(TP)
+        _workset(r, shared)
+        out.append((f"work set shared={shared}", r))
+        r = record(TP)
+        _workset(r, shared)
+        _cuda(r, shared)
+        out.append((f"work set + CUDA shared={shared}", r))
+    return out
+
+
+# Enrichment variants: what the enricher adds beside the record.
+VARIANTS: dict[str, Callable[[EnrichedRecord], None]] = {
+    "plain": lambda e: None,
+    "instrumented": lambda e: setattr(e, "instrumented", "otel-sdk"),
+    "service source": lambda e: setattr(e, "service_name_source", "k8s"),
+    "no endpoints": lambda e: setattr(e, "endpoints", None),
+    "v6 endpoints": lambda e: setattr(e, "endpoints", Endpoints("::1", 443, "fe80::1", 65535)),
+    "gpu": lambda e: setattr(
+        e, "gpu", {"tracejoin.gpu.utilization_ratio": 0.25, "tracejoin.gpu.device": "GPU-0"}
+    ),
+    "unsampled flags": lambda e: setattr(e, "trace_flags", 0),
+}
+
+
+def _ids(seed: int) -> Callable[[int], int]:
+    rng = random.Random(seed)
+    return lambda bits: rng.getrandbits(bits) or 1
+
+
+CASES = [
+    pytest.param(rec, variant, signals, tlb, id=f"{name}|{variant}|{signals}|{tlb}")
+    for (name, rec), variant, signals, tlb in itertools.product(
+        records(), VARIANTS, SIGNAL_SETS, ("flush_fallback", "off")
+    )
+    # the other variants add nothing new off the basic signal set
+    if variant == "plain" or signals == "basic"
+]
+
+
+@pytest.mark.parametrize(("rec", "variant", "signals", "tlb"), CASES)
+def test_encoded_spans_equal_the_object_path(rec, variant, signals, tlb):
+    enricher = Enricher(Metrics(), resource)
+    e = enricher.enrich(rec)
+    assert e is not None
+    VARIANTS[variant](e)
+    opts = SpanOptions(SIGNAL_SETS[signals], tlb, recvq_child_threshold_ns=1_000_000)
+
+    reference = build_spans(e, opts, _ids(13))
+    fast = encode_spans(e, opts, _ids(13))
+
+    # HTTP/2 streams and children keep the object path
+    assert isinstance(fast[0], EncodedSpan) or rec.h2_flags & R.H2F_STREAM
+    assert all(isinstance(s, Span) for s in fast[1:])
+    assert len(fast) == len(reference)
+    assert encode_request_bytes(fast) == encode_request_bytes(reference)
+    assert encode_request(fast) == encode_request(reference)
+
+
+def test_the_variety_covers_children_and_every_attribute_family():
+    """The cases above are only worth as much as what they reach: children of each kind and the
+    attribute families the fast path writes with its own framing and with the shared encoder."""
+    names: set[str] = set()
+    keys: set[str] = set()
+    for rec, variant, signals, tlb in (c.values for c in CASES):
+        e = Enricher(Metrics(), resource).enrich(rec)
+        assert e is not None
+        VARIANTS[variant](e)
+        spans = build_spans(
+            e, SpanOptions(SIGNAL_SETS[signals], tlb, recvq_child_threshold_ns=1_000_000), _ids(1)
+        )
+        names.update(s.name for s in spans[1:])
+        keys.update(spans[0].attributes)
+    assert {"tcp.receive_queue_wait", "sched.runq_wait", "server/worker"} <= names
+    assert any(n.startswith("engine/") for n in names)
+    for key in (
+        "http.request.method_original",
+        "http.response.status_code",
+        "tracejoin.tcp.handshake_to_first_read_ns",
+        "tracejoin.tlb.dtlb_load_misses",
+        "tracejoin.tlb.flushes",
+        "tracejoin.work.threads_refused",
+        "tracejoin.work.shared.on_cpu_ns",
+        "tracejoin.cuda.launches",
+        "tracejoin.work.shared.cuda.sync.count",
+        "tracejoin.gpu.utilization_ratio",
+        "tracejoin.traceparent.rejected",
+        "tracejoin.instrumented.source",
+        "tracejoin.http.response_unframed",
+        "tracejoin.http.path_truncated",
+    ):
+        assert key in keys, key
+
+
+def test_a_batch_mixing_encoded_and_object_spans_groups_by_resource():
+    """The senders place encoded bodies under their resource beside encoded objects."""
+    e = Enricher(Metrics(), resource).enrich(record(TP))
+    assert e is not None
+    other = Resource((("service.name", "other"),))
+    opts = SpanOptions(SIGNAL_SETS["basic"], recvq_child_threshold_ns=10**12)  # no children
+    mixed = [*encode_spans(e, opts, _ids(1)), *build_spans(e, opts, _ids(2))]
+    mixed.append(Span(1, 2, 0, "x", 1, 0, 1, other))
+    req = encode_request(mixed)
+    assert [len(rs.scope_spans[0].spans) for rs in req.resource_spans] == [2, 1]
+    first, second = req.resource_spans[0].scope_spans[0].spans
+    assert first.trace_id == second.trace_id == TID.to_bytes(16, "big")
+    assert first.parent_span_id == PID.to_bytes(8, "big")
+
+
+class _Destination:
+    """A destination as stages.Destination describes it, that keeps what it is given."""
+
+    name = "test"
+
+    def __init__(self, accepts_encoded: bool) -> None:
+        self.accepts_encoded = accepts_encoded
+        self.got: list[Span | EncodedSpan] = []
+
+    def start(self) -> None:
+        pass
+
+    def submit(self, span: Span | EncodedSpan) -> bool:
+        self.got.append(span)
+        return True
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("accepts", "observed", "encoded"),
+    [
+        ((True,), False, True),  # tracejoin run with OTLP only
+        ((True, True), False, True),
+        ((True, False), False, False),  # OTLP and the spans file: one path for all
+        ((False,), False, False),
+        ((True,), True, False),  # an observer (the capture summary) needs the objects
+    ],
+)
+def test_the_pipeline_takes_the_object_free_path_only_when_all_can_take_it(
+    accepts, observed, encoded
+):
+    from tracejoin.pipeline.stages import Pipeline
+
+    dests = [_Destination(a) for a in accepts]
+    seen: list[list[Span]] = []
+    p = Pipeline(
+        source=None,  # type: ignore[arg-type]  # process() is driven directly
+        enricher=Enricher(Metrics(), resource),
+        span_options=SpanOptions(SIGNAL_SETS["basic"]),
+        destinations=dests,  # type: ignore[arg-type]
+        metrics=Metrics(),
+        observers=[lambda spans, rec: seen.append(spans)] if observed else [],
+    )
+    assert p.encode is encoded
+    p.process([bytes(record(TP))])
+    for d in dests:
+        assert len(d.got) == 2  # the server span and its receive-queue wait (threshold 0)
+        assert isinstance(d.got[0], EncodedSpan if encoded else Span)
+        assert isinstance(d.got[1], Span)
+        (server,) = encode_request(d.got[:1]).resource_spans[0].scope_spans[0].spans
+        assert server.trace_id == TID.to_bytes(16, "big")
+        assert server.parent_span_id == PID.to_bytes(8, "big")
+    assert len(seen) == (1 if observed else 0)
