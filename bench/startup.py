@@ -7,8 +7,9 @@
 Each run is a fresh interpreter (a child of this one) that does what HttpProbes.start() does,
 timing each step and reading /proc/self/status after it: VmHWM (peak RSS so far), RssAnon,
 RssFile. BPF() is split into the clang/LLVM compile (its own time) and the kernel verifier
-(every load_func, timed through a wrapper; BCC's autoload calls load_func too). The last row
-is the same process after malloc_trim(0), which hands LLVM's freed heap back to the kernel.
+(every load_func, timed through a wrapper; BCC's autoload calls load_func too). The two
+`release_*` rows are what start() does after the compile: malloc_trim(0), which hands LLVM's
+freed heap back to the kernel, and unmapping clang/LLVM's code (agent/kernel/probes.py).
 Requires root (it loads the real programs); prints a table of medians over the runs.
 """
 
@@ -76,14 +77,18 @@ class Reuse(BPF):  # bpf is no Reuse, so __init__ (the compile) is not run again
 bcc.BPF = Reuse
 p2 = HttpProbes(ProbeConfig(), Metrics())
 p2.plan = lambda: knobs  # planned above (a second BTF parse would add its own peak)
-probes.release_freed_heap = lambda: 0  # done below, as its own step
+# done below, as their own steps
+probes.release_freed_heap = probes.release_compiler_code = lambda: 0
 t = time.monotonic()
 p2.start()
 bcc.BPF = BPF
 t = mark("rest of start(): tail-call loads, perf events, ring buffer", t)
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc_trim(0)
-t = mark("after malloc_trim(0)", t)
+t = mark("release_freed_heap(): malloc_trim(0)", t)
+for lo, hi in probes.compiler_code_ranges(open("/proc/self/maps").read().splitlines()):
+    libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)
+t = mark("release_compiler_code(): clang/LLVM code unmapped", t)
 bpf.cleanup()
 for name, secs in sorted(per_prog.items(), key=lambda kv: -kv[1])[:4]:
     rows.append((f"  of which load_func({name.decode()})", secs, hwm[name]))
@@ -108,12 +113,12 @@ def one_run() -> list[tuple[str, float, dict[str, int]]]:
     return [(str(step), float(secs), dict(st)) for step, secs, st in rows]
 
 
-# `tracejoin run` itself; with --no-trim, the same code with the heap release switched off
+# `tracejoin run` itself; with no-trim, the same code with the two releases switched off
 _AGENT = r"""
 import sys
 if sys.argv[1] == "no-trim":
     import tracejoin.kernel.probes as p
-    p.release_freed_heap = lambda: 0
+    p.release_freed_heap = p.release_compiler_code = lambda: 0
 from tracejoin.commands.cli import main
 sys.argv = ["tracejoin", "run", "--spans-file", "/dev/null", "--metrics-port", "0"]
 main()
@@ -218,7 +223,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument(
-        "--agent", action="store_true", help="time `tracejoin run` starts, heap release on/off"
+        "--agent", action="store_true", help="time `tracejoin run` starts, releases on/off"
     )
     ap.add_argument(
         "--verify", action="store_true", help="tail-call loads: sequential vs concurrent"
@@ -233,7 +238,7 @@ def main() -> None:
         for trim in (False, True):
             for _ in range(args.runs):
                 secs, st = agent_start(trim)
-                label = "heap released" if trim else "without the release"
+                label = "heap and code released" if trim else "without the releases"
                 print(
                     f"| {label} | {secs:.2f} | {st['VmHWM']} | {st['RssAnon']} | {st['RssFile']} |"
                 )
