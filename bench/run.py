@@ -744,7 +744,8 @@ def format_report(res: dict[str, Any]) -> str:
     L.append(
         f"   peak RSS: {max(a['peak_rss_mb'] for a in ag['runs']):.0f} MB (VmHWM); at stop "
         f"{last.get('VmRSS', 0):.0f} MB = anon {last.get('RssAnon', 0):.0f} + file "
-        f"{last.get('RssFile', 0):.0f} (mapped libraries: libbcc/LLVM) + shmem "
+        f"{last.get('RssFile', 0):.0f} (mapped libraries; clang/LLVM's code is unmapped after "
+        "start-up) + shmem "
         f"{last.get('RssShmem', 0):.0f} MB"
     )
     L.append(
