@@ -107,6 +107,8 @@ CNT_WORKSET_FULL = 20
 CNT_WORKSET_LOST = 21
 CNT_WORKSET_REFS_FULL = 22
 CNT_SAMPLED_OUT_BUDGET = 23
+CNT_UNSAMPLED_AGGREGATED = 24
+CNT_NO_PARENT_AGGREGATED = 25
 CNT_CUDA_UNATTRIBUTED = 46
 CNT_CUDA_NESTED = 47
 CNT_CUDA_ACC_LOST = 48
@@ -135,6 +137,8 @@ KERNEL_COUNTERS: dict[int, str] = {
     CNT_WORKSET_LOST: "workset_lost",
     CNT_WORKSET_REFS_FULL: "workset_refs_full",
     CNT_SAMPLED_OUT_BUDGET: "sampled_out_budget",
+    CNT_UNSAMPLED_AGGREGATED: "unsampled_aggregated",
+    CNT_NO_PARENT_AGGREGATED: "no_parent_aggregated",
     CNT_CUDA_UNATTRIBUTED: "cuda_unattributed",
     CNT_CUDA_NESTED: "cuda_nested",
     CNT_CUDA_ACC_LOST: "cuda_acc_lost",
@@ -173,6 +177,10 @@ KERNEL_COUNTER_HELP: dict[str, str] = {
     "workset_refs_full": "Threads that joined more than WS_REFS open work sets at once",
     "sampled_out_budget": "Requests the overload budget's sampling ratio kept in the kernel "
     "(counted and aggregated per endpoint; not a loss)",
+    "unsampled_aggregated": "Requests with a valid unsampled traceparent kept in the kernel "
+    "(--unsampled follow: no span; aggregated per endpoint, never sent)",
+    "no_parent_aggregated": "Requests without a traceparent header kept in the kernel "
+    "(--no-parent skip: no span; aggregated per endpoint, never sent)",
     "cuda_unattributed": "Probed CUDA calls by a thread in no open request's work set "
     "(work outside requests, or a worker that polls: no thread link)",
     "cuda_nested": "Probed CUDA calls made beneath another probed call (a runtime call's "
@@ -184,12 +192,25 @@ KERNEL_COUNTER_HELP: dict[str, str] = {
 AGG_BUCKETS = 24
 AGG_ENTRIES = 1024
 AGG_SHED = 1
+AGG_UNSAMPLED = 2
+AGG_NO_PARENT = 3
 
 
 class Sampling(ctypes.Structure):
     """Mirror of struct sampling (the `sampling` array's one entry)."""
 
     _fields_ = (("bound", ctypes.c_uint64), ("active", ctypes.c_uint32), ("_pad", ctypes.c_uint32))
+
+
+class Policy(ctypes.Structure):
+    """Mirror of struct policy (the `policy` array's one entry): which spanless requests the
+    kernel aggregates instead of sending."""
+
+    _fields_ = (
+        ("agg_unsampled", ctypes.c_uint8),
+        ("agg_no_parent", ctypes.c_uint8),
+        ("_pad", ctypes.c_uint8 * 6),
+    )
 
 
 class AggKey(ctypes.Structure):
