@@ -88,6 +88,7 @@ def test_unsampled_follow_never_crosses_and_is_aggregated(agg):
     agg.policy(unsampled="follow")
     n = 40
     k0, recv0 = agg.kernel(), agg.agent.metrics.total("records_received")
+    unsampled0 = agg.agent.metrics.get("requests_unsampled")
     a0 = agg.aggregate("unsampled")
     for _ in range(n):
         agg.send("/agg/unsampled", f"traceparent: {tp()[0]}".encode())
@@ -109,6 +110,7 @@ def test_unsampled_follow_never_crosses_and_is_aggregated(agg):
     agg.agent.app.refresh_metrics()
     m, labels = agg.agent.metrics, {"port": str(agg.port), "why": "unsampled"}
     assert m.get("requests_aggregated", **labels) == count + 1
+    assert m.get("requests_unsampled") == unsampled0 + n + 1, "still counted as unsampled"
     assert m.get("requests_aggregated_seconds", **labels) >= 0.05
     assert m.get("requests_aggregated_latency_bucket", le="0.032767", **labels) == sum(after[:15])
     assert m.get("requests_aggregated_latency_bucket", le="+Inf", **labels) == count + 1

@@ -186,12 +186,12 @@ METRICS: tuple[Metric, ...] = (
     ),
     counter(
         "requests_aggregated_latency_bucket",
-        "requests_aggregated with a latency below `le` seconds (cumulative log2 buckets, "
-        "as a Prometheus histogram's).",
+        "Requests_aggregated with a latency below `le` seconds (cumulative log2 buckets, as "
+        "a Prometheus histogram's).",
         "port",
         "why",
         "le",
-        values={"why": AGGREGATED_WHY, "le": AGG_BUCKET_BOUNDS},
+        values={"why": AGGREGATED_WHY},
         copied=True,
     ),
     # enrich -> spans
@@ -203,8 +203,9 @@ METRICS: tuple[Metric, ...] = (
     ),
     counter(
         "requests_unsampled",
-        "Requests whose caller did not sample them that reached user space (no span with "
-        "--unsampled follow; those the kernel kept are kernel_unsampled_aggregated).",
+        "Requests whose caller did not sample them (no span with --unsampled follow): those "
+        "the kernel kept (kernel_unsampled_aggregated, added when the kernel's counters are "
+        "read) and those user space dropped.",
     ),
     counter("spans_built", "Spans built, server and child spans."),
     counter(
