@@ -217,9 +217,13 @@ def main(argv: list[str] | None = None) -> int:
             f"unprofiled: {plain['records']:,} records for {plain['requests']:,} requests "
             f"({plain['kept_in_kernel']:,} kept in the kernel, ringbuf_full "
             f"{plain['ringbuf_full']}); CPU µs per record: "
-            + ", ".join(f"{k} {v:.1f}" for k, v in plain["us_per_record"].items())
-            + f"; whole process {plain['process_us_per_record']:.1f} per record, "
-            f"{plain['process_us_per_request']:.1f} per request"
+            + (
+                ", ".join(f"{k} {v:.1f}" for k, v in plain["us_per_record"].items())
+                + f"; whole process {plain['process_us_per_record']:.1f}"
+                if plain["records"]
+                else "no records"
+            )
+            + f"; whole process per request {plain['process_us_per_request']:.1f}"
         )
         if args.no_profile:
             return 0
