@@ -106,8 +106,8 @@ static __always_inline int budget_keeps(struct http_record *rec)
     return (((u64)bpf_get_prandom_u32() << 32) | bpf_get_prandom_u32()) < sm->bound;
 }
 
-/* Branch-free tests (1 or 0): emit() runs inside flush_conn's loop, where every branch here
- * would multiply the paths the verifier walks. */
+/* Branch-free tests (1 or 0): the request scanner is near the verifier's limit, and every
+ * branch here would multiply the paths it walks. */
 static __always_inline u64 is_zero(u64 x)
 {
     return (~x & (x - 1)) >> 63;
@@ -124,26 +124,27 @@ static __always_inline u64 lhex8(u64 x)
     return is_zero(x & high) & is_zero(((digit | lower) & high) ^ high);
 }
 
-/* Which requests will not become spans under the policies (struct policy): AGG_UNSAMPLED for
+/* Which requests will not become spans under the policies (struct policy), decided by the
+ * request scanner when the headers end (http_record.unspanned): AGG_UNSAMPLED for
  * exactly one traceparent that agent/enrich/traceparent.py parse() accepts, sampled flag clear;
  * AGG_NO_PARENT for no traceparent header at all; 0 (send it) for everything else. An invalid
  * value is sent too, so that its rejection is counted by reason, and so is anything the kernel
  * cannot be sure of: headers that did not end, or ran past the scan window (a second
  * traceparent could hide there). */
-static __always_inline u16 unspanned(struct http_record *rec)
+static __always_inline u8 unspanned(struct http_record *rec)
 {
     int z = 0;
     struct policy *pol = policy.lookup(&z);
-    if (!pol || (rec->flags & (REQF_HDR_DONE | REQF_TP_WINDOW)) != REQF_HDR_DONE)
+    if (!pol)
         return 0;
-    if (rec->tp_count == 0)
-        return pol->agg_no_parent ? AGG_NO_PARENT : 0;
-    if (!pol->agg_unsampled || rec->tp_count != 1)
-        return 0;
+    u64 sure = is_zero((rec->flags & (REQF_HDR_DONE | REQF_TP_WINDOW)) ^ REQF_HDR_DONE);
+    u64 count = rec->tp_count;
+    u64 no_parent = sure & is_zero(count) & (1 ^ is_zero(pol->agg_no_parent));
     /* "vv-<32 hex trace id>-<16 hex parent id>-<2 hex flags>" (shared/TRACEPARENT.md) */
     const u8 *tp = (const u8 *)rec->tp;
     u64 len = rec->tp_len;
-    u64 ok = 1 ^ ((len - 55) >> 63);                            /* >= 55 */
+    u64 ok = sure & is_zero(count ^ 1) & (1 ^ is_zero(pol->agg_unsampled));
+    ok &= 1 ^ ((len - 55) >> 63);                               /* >= 55 */
     ok &= is_zero((tp[2] ^ '-') | (tp[35] ^ '-') | (tp[52] ^ '-'));
     ok &= 1 ^ is_zero((tp[0] ^ 'f') | (tp[1] ^ 'f'));          /* version ff: invalid */
     /* version 00: exactly 55; a future one: the end or a '-' after the flags */
@@ -167,7 +168,7 @@ static __always_inline u16 unspanned(struct http_record *rec)
     /* the sampled bit is the low bit of the flags' second digit's value */
     u64 last = tp[54];
     ok &= 1 ^ (((last & 0x0F) + ((last >> 6) & 1) * 9) & 1);
-    return ok ? AGG_UNSAMPLED : 0;
+    return ok * AGG_UNSAMPLED + no_parent * AGG_NO_PARENT;
 }
 
 /* A request no span will be made of (the policies, or the budget shed it): counted and
@@ -198,10 +199,10 @@ static __always_inline void aggregate(struct http_record *rec, u16 why)
  * nobody was woken for, and a burst still wakes the reader early. */
 static __always_inline void emit(struct http_record *rec)
 {
-    u16 why = unspanned(rec);
-    if (why) {
-        count(why == AGG_UNSAMPLED ? CNT_UNSAMPLED_AGGREGATED : CNT_NO_PARENT_AGGREGATED);
-        aggregate(rec, why);
+    u32 kept = (u32)rec->unspanned - AGG_UNSAMPLED;   /* decided when its headers ended */
+    if (kept < 2) {
+        count(CNT_UNSAMPLED_AGGREGATED + kept);     /* AGG_* and CNT_* in step */
+        aggregate(rec, rec->unspanned);
         return;
     }
     if (!budget_keeps(rec)) {

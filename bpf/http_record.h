@@ -133,7 +133,7 @@ struct http_record {
     __u16 rport;           /* client port */
     __u16 tp_len;          /* traceparent value length without trailing OWS (saturating) */
     __u8  tp_count;        /* traceparent headers seen (saturating at 255) */
-    __u8  _pad0;
+    __u8  unspanned;       /* AGG_* the kernel keeps it under (never sent then); 0: send it */
     __u32 pid;             /* process (tgid) that read the request */
     __u32 tid;             /* thread that read the request */
     __u32 fd;              /* fd of the read, to resolve a pre-existing connection's tuple */

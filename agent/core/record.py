@@ -293,7 +293,7 @@ class HttpRecord(ctypes.Structure):
         ("rport", ctypes.c_uint16),
         ("tp_len", ctypes.c_uint16),
         ("tp_count", ctypes.c_uint8),
-        ("_pad0", ctypes.c_uint8),
+        ("unspanned", ctypes.c_uint8),
         ("pid", ctypes.c_uint32),
         ("tid", ctypes.c_uint32),
         ("fd", ctypes.c_uint32),
