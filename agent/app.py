@@ -21,7 +21,7 @@ from typing import Any
 
 import psutil
 from tracejoin.config import ConfigError, Settings
-from tracejoin.core.metrics import Metrics
+from tracejoin.core.metrics import AGG_BUCKET_BOUNDS, AGGREGATED_WHY, Metrics
 from tracejoin.core.model import AttrValue
 from tracejoin.enrich.enricher import Enricher
 from tracejoin.enrich.inspector import ProcessInspector
@@ -256,6 +256,9 @@ class Agent:
                 observers=self.observers,
             )
             self.pipeline.start()
+            set_policy = getattr(self.source, "set_policy", None)
+            if set_policy is not None:  # from now on the kernel keeps what makes no span
+                set_policy(unsampled=s.unsampled, no_parent=s.no_parent)
         self.ready.set()
 
     def alive(self) -> bool:
@@ -273,6 +276,33 @@ class Agent:
         if self.pipeline is not None:
             counters = self.pipeline.kernel_counters()
             self._apply_budget(cpu_s, counters.get("ringbuf_full", 0))
+            self._copy_aggregates()
+
+    def _copy_aggregates(self) -> None:
+        """The kernel's per-endpoint aggregates of requests no span is made of (the policies
+        --unsampled follow, --no-parent skip): counts, summed latency, latency buckets."""
+        aggregates = getattr(self.source, "aggregates", None)
+        if aggregates is None:
+            return
+        for why, endpoints in aggregates().items():
+            if why not in AGGREGATED_WHY:
+                continue  # the budget's own: requests_sampled_out (_apply_budget)
+            by_port: dict[int, tuple[int, int, list[int]]] = {}
+            for (_pid, port), (count, sum_ns, hist) in endpoints.items():
+                n, ns, h = by_port.get(port, (0, 0, [0] * len(hist)))
+                by_port[port] = (
+                    n + count,
+                    ns + sum_ns,
+                    [a + b for a, b in zip(h, hist, strict=True)],
+                )
+            for port, (count, sum_ns, hist) in by_port.items():
+                labels = {"port": str(port), "why": why}
+                self.metrics.set("requests_aggregated", count, **labels)
+                self.metrics.set("requests_aggregated_seconds", sum_ns / 1e9, **labels)
+                running = 0
+                for le, n in zip(AGG_BUCKET_BOUNDS, hist, strict=True):
+                    running += n
+                    self.metrics.set("requests_aggregated_latency_bucket", running, le=le, **labels)
 
     def _apply_budget(self, cpu_s: float, ringbuf_full: int) -> None:
         """One step of the overload budget: the ratio for the kernel, and what it shed."""

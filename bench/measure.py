@@ -403,11 +403,13 @@ def rate(
     cpu: int | None,
     warmup_s: float = 0.5,
     nice: int = 0,
+    unsampled: bool = False,
 ) -> dict[str, Any]:
-    """Open loop at a constant rate (bench/loadgen): latency counted from each due time."""
+    """Open loop at a constant rate (bench/loadgen): latency counted from each due time.
+    `unsampled`: every traceparent's sampled flag clear."""
     cmd = [str(loadgen_binary()), "rate", "-addr", f"127.0.0.1:{port}", "-path", path]
     cmd += ["-rate", f"{rps:.0f}", "-duration", f"{seconds}s", "-conns", str(conns)]
-    cmd += ["-warmup", f"{warmup_s}s"]
+    cmd += ["-warmup", f"{warmup_s}s"] + (["-unsampled"] if unsampled else [])
     out = subprocess.run(pinned(cmd, cpu, nice), capture_output=True, text=True, check=True).stdout
     r: dict[str, Any] = json.loads(out)
     r["rps"] = r["achieved_rps"]

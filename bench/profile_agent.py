@@ -2,6 +2,7 @@
 
     sudo python -m bench.profile_agent [--rate 1000] [--seconds 5] [--top 20] [--no-profile]
                                         [--batch-ms N] [--destination otlp|file] [--gc]
+                                        [--unsampled] [--kernel-policy on|off]
 
 Builds the pipeline the way `tracejoin run` does (the daemon's span builder and destination:
 OTLP/HTTP protobuf to bench/otlp_sink, or the OTLP-JSON file on tmpfs), starts the Go test
@@ -78,6 +79,8 @@ def run_once(
     profile: bool,
     batch_ms: float = 0,
     sink_port: int | None = None,
+    unsampled: bool = False,
+    kernel_policy: bool = True,
 ) -> dict[str, Any]:
     from tracejoin.app import build_agent, file_destination, otlp_destination
     from tracejoin.config import Settings
@@ -96,6 +99,8 @@ def run_once(
         else file_destination(tmp / "spans.otlp.jsonl", settings, metrics)
     )
     agent = build_agent(settings, metrics, [dest])
+    if not kernel_policy:  # as before issue 13: every record crosses and user space decides
+        agent.source.set_policy = lambda **_kw: None  # type: ignore[attr-defined]
     reader = Watched("reader", lambda: None, profile)
     exporter = Watched("exporter", dest._run, profile)
     dest._run = exporter
@@ -117,19 +122,27 @@ def run_once(
     reader.started.wait(5)
     exporter.started.wait(5)
     try:
+        assert agent.pipeline is not None
+        kernel = agent.pipeline.kernel_counters
         t0 = {w.name: thread_cpu(w.tid) for w in (reader, exporter)}
         r0 = metrics.total("records_received")
+        kept0 = kernel().get("unsampled_aggregated", 0)
         proc0 = sum(m.cpu_seconds(os.getpid()))
-        load = m.rate(port, "/", rate, seconds, 16, LOAD_CPU[0], warmup_s=0.3, nice=-10)
+        load = m.rate(
+            port, "/", rate, seconds, 16, LOAD_CPU[0], warmup_s=0.3, nice=-10, unsampled=unsampled
+        )
         deadline = time.monotonic() + 10
         want = load["total_sent"]
-        while metrics.total("records_received") - r0 < want and time.monotonic() < deadline:
+        while time.monotonic() < deadline:  # every request crossed, or stayed in the kernel
+            kept = kernel().get("unsampled_aggregated", 0) - kept0
+            if metrics.total("records_received") - r0 + kept >= want:
+                break
             time.sleep(0.1)
         time.sleep(0.6)  # the file destination flushes every 0.5 s
         records = metrics.total("records_received") - r0
         t1 = {w.name: thread_cpu(w.tid) for w in (reader, exporter)}
         proc1 = sum(m.cpu_seconds(os.getpid()))
-        counters = agent.pipeline.kernel_counters() if agent.pipeline else {}
+        counters = kernel()
     finally:
         agent.shutdown(5.0)
         for f in tmp.iterdir():
@@ -142,6 +155,8 @@ def run_once(
         "ringbuf_full": counters.get("ringbuf_full", 0),
         "us_per_record": per,
         "process_us_per_record": (proc1 - proc0) * 1e6 / max(1, records),
+        "process_us_per_request": (proc1 - proc0) * 1e6 / max(1, want),
+        "kept_in_kernel": counters.get("unsampled_aggregated", 0) - kept0,
         "profiles": {w.name: w.prof for w in (reader, exporter) if w.prof is not None},
     }
 
@@ -172,6 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--destination", choices=["otlp", "file"], default="otlp")
     ap.add_argument("--gc", action="store_true", help="the proposed GC tuning (see above)")
     ap.add_argument(
+        "--unsampled", action="store_true", help="every traceparent unsampled (flags 00)"
+    )
+    ap.add_argument(
+        "--kernel-policy",
+        choices=["on", "off"],
+        default="on",
+        help="off: the kernel sends every record and user space drops the unsampled (as before)",
+    )
+    ap.add_argument(
         "--load-cpu", type=int, default=0, help="CPU of the load generator (1: off the agent's)"
     )
     args = ap.parse_args(argv)
@@ -187,16 +211,23 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         stack.enter_context(m.go_server(port, 1))
         sink = stack.enter_context(m.otlp_sink(0)) if args.destination == "otlp" else None
-        plain = run_once(port, args.rate, args.seconds, False, args.batch_ms, sink)
+        policy = {"unsampled": args.unsampled, "kernel_policy": args.kernel_policy == "on"}
+        plain = run_once(port, args.rate, args.seconds, False, args.batch_ms, sink, **policy)
         print(
             f"unprofiled: {plain['records']:,} records for {plain['requests']:,} requests "
-            f"(ringbuf_full {plain['ringbuf_full']}); CPU µs per record: "
-            + ", ".join(f"{k} {v:.1f}" for k, v in plain["us_per_record"].items())
-            + f"; whole process {plain['process_us_per_record']:.1f}"
+            f"({plain['kept_in_kernel']:,} kept in the kernel, ringbuf_full "
+            f"{plain['ringbuf_full']}); CPU µs per record: "
+            + (
+                ", ".join(f"{k} {v:.1f}" for k, v in plain["us_per_record"].items())
+                + f"; whole process {plain['process_us_per_record']:.1f}"
+                if plain["records"]
+                else "no records"
+            )
+            + f"; whole process per request {plain['process_us_per_request']:.1f}"
         )
         if args.no_profile:
             return 0
-        prof = run_once(port, args.rate, args.seconds, True, args.batch_ms, sink)
+        prof = run_once(port, args.rate, args.seconds, True, args.batch_ms, sink, **policy)
     print(
         f"profiled:   {prof['records']:,} records; CPU µs per record: "
         + ", ".join(f"{k} {v:.1f}" for k, v in prof["us_per_record"].items())

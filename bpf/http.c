@@ -264,6 +264,7 @@ BPF_TABLE("lru_hash", u32, struct tstat, threads, LRU_ENTRIES);
 BPF_PERCPU_ARRAY(zero_thread, struct tstat, 1);         /* never written: a zeroed template */
 BPF_PROG_ARRAY(progs, PROG_COUNT);
 BPF_ARRAY(sampling, struct sampling, 1);
+BPF_ARRAY(policy, struct policy, 1);
 BPF_TABLE("lru_percpu_hash", struct agg_key, struct agg_val, shed, AGG_ENTRIES);
 BPF_HASH(filter_pid, u32, u8, 1024);
 BPF_HASH(filter_port, u16, u8, 1024);

@@ -148,7 +148,73 @@ static __always_inline int budget_keeps(struct http_record *rec)
     return (((u64)bpf_get_prandom_u32() << 32) | bpf_get_prandom_u32()) < sm->bound;
 }
 
-/* A request the budget shed: counted and aggregated per endpoint, never sent. */
+/* Branch-free tests (1 or 0): the request scanner is near the verifier's limit, and every
+ * branch here would multiply the paths it walks. */
+static __always_inline u64 is_zero(u64 x)
+{
+    return (~x & (x - 1)) >> 63;
+}
+
+/* Each of the 8 bytes is a lowercase hex digit. With every high bit clear, adding (0x80 - lo)
+ * to a byte sets its high bit iff it is >= lo, and adding (0x7f - hi) iff it is > hi; no byte
+ * carries into the next. */
+static __always_inline u64 lhex8(u64 x)
+{
+    const u64 ones = 0x0101010101010101ULL, high = 0x8080808080808080ULL;
+    u64 digit = (x + (0x80 - '0') * ones) & ~(x + (0x7f - '9') * ones);
+    u64 lower = (x + (0x80 - 'a') * ones) & ~(x + (0x7f - 'f') * ones);
+    return is_zero(x & high) & is_zero(((digit | lower) & high) ^ high);
+}
+
+/* Which requests will not become spans under the policies (struct policy), decided by the
+ * request scanner when the headers end (http_record.unspanned): AGG_UNSAMPLED for
+ * exactly one traceparent that agent/enrich/traceparent.py parse() accepts, sampled flag clear;
+ * AGG_NO_PARENT for no traceparent header at all; 0 (send it) for everything else. An invalid
+ * value is sent too, so that its rejection is counted by reason, and so is anything the kernel
+ * cannot be sure of: headers that did not end, or ran past the scan window (a second
+ * traceparent could hide there). */
+static __always_inline u8 unspanned(struct http_record *rec)
+{
+    int z = 0;
+    struct policy *pol = policy.lookup(&z);
+    if (!pol)
+        return 0;
+    u64 sure = is_zero((rec->flags & (REQF_HDR_DONE | REQF_TP_WINDOW)) ^ REQF_HDR_DONE);
+    u64 count = rec->tp_count;
+    u64 no_parent = sure & is_zero(count) & (1 ^ is_zero(pol->agg_no_parent));
+    /* "vv-<32 hex trace id>-<16 hex parent id>-<2 hex flags>" (shared/TRACEPARENT.md) */
+    const u8 *tp = (const u8 *)rec->tp;
+    u64 len = rec->tp_len;
+    u64 ok = sure & is_zero(count ^ 1) & (1 ^ is_zero(pol->agg_unsampled));
+    ok &= 1 ^ ((len - 55) >> 63);                               /* >= 55 */
+    ok &= is_zero((tp[2] ^ '-') | (tp[35] ^ '-') | (tp[52] ^ '-'));
+    ok &= 1 ^ is_zero((tp[0] ^ 'f') | (tp[1] ^ 'f'));          /* version ff: invalid */
+    /* version 00: exactly 55; a future one: the end or a '-' after the flags */
+    u64 v00 = is_zero((tp[0] ^ '0') | (tp[1] ^ '0'));
+    u64 ends = is_zero(len ^ 55);
+    ok &= (v00 & ends) | ((v00 ^ 1) & (ends | is_zero(tp[55] ^ '-')));
+    u64 t0, t1, t2, t3, p0, p1;
+    __builtin_memcpy(&t0, &tp[3], 8);
+    __builtin_memcpy(&t1, &tp[11], 8);
+    __builtin_memcpy(&t2, &tp[19], 8);
+    __builtin_memcpy(&t3, &tp[27], 8);
+    __builtin_memcpy(&p0, &tp[36], 8);
+    __builtin_memcpy(&p1, &tp[44], 8);
+    /* version and flags, padded with '0's to a word */
+    u64 vf = (u64)tp[0] | (u64)tp[1] << 8 | (u64)tp[53] << 16 | (u64)tp[54] << 24 |
+             0x3030303000000000ULL;
+    ok &= lhex8(t0) & lhex8(t1) & lhex8(t2) & lhex8(t3) & lhex8(p0) & lhex8(p1) & lhex8(vf);
+    const u64 zeros = 0x3030303030303030ULL;    /* "00000000": an all-zero id is invalid */
+    ok &= 1 ^ is_zero((t0 ^ zeros) | (t1 ^ zeros) | (t2 ^ zeros) | (t3 ^ zeros));
+    ok &= 1 ^ is_zero((p0 ^ zeros) | (p1 ^ zeros));
+    /* the sampled bit is the low bit of the flags' second digit's value */
+    u64 last = tp[54];
+    ok &= 1 ^ (((last & 0x0F) + ((last >> 6) & 1) * 9) & 1);
+    return ok * AGG_UNSAMPLED + no_parent * AGG_NO_PARENT;
+}
+
+/* A request no span will be made of (the policies, or the budget shed it): counted and
+ * aggregated per endpoint, never sent. */
 static __always_inline void aggregate(struct http_record *rec, u16 why)
 {
     struct agg_key k = {.pid = rec->pid, .lport = rec->lport, .why = why};
@@ -175,6 +241,12 @@ static __always_inline void aggregate(struct http_record *rec, u16 why)
  * nobody was woken for, and a burst still wakes the reader early. */
 static __always_inline void emit(struct http_record *rec)
 {
+    u32 kept = (u32)rec->unspanned - AGG_UNSAMPLED;   /* decided when its headers ended */
+    if (kept < 2) {
+        count(CNT_UNSAMPLED_AGGREGATED + kept);     /* AGG_* and CNT_* in step */
+        aggregate(rec, rec->unspanned);
+        return;
+    }
     if (!budget_keeps(rec)) {
         count(CNT_SAMPLED_OUT_BUDGET);
         aggregate(rec, AGG_SHED);

@@ -152,7 +152,7 @@ struct http_record {
     __u16 rport;           /* client port */
     __u16 tp_len;          /* traceparent value length without trailing OWS (saturating) */
     __u8  tp_count;        /* traceparent headers seen (saturating at 255) */
-    __u8  _pad0;
+    __u8  unspanned;       /* AGG_* the kernel keeps it under (never sent then); 0: send it */
     __u32 pid;             /* process (tgid) that read the request */
     __u32 tid;             /* thread that read the request */
     __u32 fd;              /* fd of the read, to resolve a pre-existing connection's tuple */
@@ -227,6 +227,8 @@ struct sampling {
 #define AGG_BUCKETS 24        /* log2 latency buckets: [2^i, 2^(i+1)) µs; the last is open */
 #define AGG_ENTRIES 1024      /* endpoints kept (LRU) */
 #define AGG_SHED 1            /* agg_key.why: sampled out by the budget */
+#define AGG_UNSAMPLED 2       /* ... a valid traceparent its caller did not sample (--unsampled follow) */
+#define AGG_NO_PARENT 3       /* ... no traceparent header at all (--no-parent skip) */
 struct agg_key {
     __u32 pid;             /* process that read the request */
     __u16 lport;           /* server port (0: the tuple was not known) */
@@ -236,6 +238,15 @@ struct agg_val {
     __u64 count;
     __u64 sum_ns;
     __u64 hist[AGG_BUCKETS];
+};
+
+/* The span policies, written once at start (agent/kernel/probes.py): a request that will not
+ * become a span under them is aggregated in the kernel instead of crossing the ring buffer. All
+ * zero (the value before user space writes it): every request crosses, as without the map. */
+struct policy {
+    __u8  agg_unsampled;   /* --unsampled follow: no span for a valid unsampled traceparent */
+    __u8  agg_no_parent;   /* --no-parent skip: no span for a request without traceparent */
+    __u8  _pad[6];
 };
 
 /* Per-CPU counters in the `counters` array map, by index. User space exports CNT_FOO as
@@ -264,6 +275,10 @@ struct agg_val {
 #define CNT_WORKSET_REFS_FULL   22 /* threads in more than WS_REFS open work sets at once */
 #define CNT_SAMPLED_OUT_BUDGET  23 /* requests the overload budget's ratio kept in the kernel
                                     * (aggregated in `shed`; not records, never a loss) */
+#define CNT_UNSAMPLED_AGGREGATED 24 /* valid unsampled traceparent, --unsampled follow: no span;
+                                     * aggregated in `shed` (AGG_UNSAMPLED), never sent */
+#define CNT_NO_PARENT_AGGREGATED 25 /* no traceparent header, --no-parent skip: no span;
+                                     * aggregated in `shed` (AGG_NO_PARENT), never sent */
 /* HTTP/2 (bpf/http2_*.h) */
 #define CNT_H2_CONNECTIONS      32 /* connections that became HTTP/2 (preface or Upgrade: h2c) */
 #define CNT_H2_STREAMS_FULL     33 /* streams not tracked: their slot of H2_STREAMS was taken */

@@ -410,6 +410,10 @@ int scan_req(void *ctx)
         if (r != STEP_GO)
             break;
     }
+    /* Once its headers ended the request's traceparent is final: whether a span will be made
+     * of it is decided here, once per scan rather than at every emit() (bpf/http_conn.h) */
+    if (rec->flags & REQF_HDR_DONE)
+        rec->unspanned = unspanned(rec);
     if (r == STEP_NEXT)
         request_done(c);
     else if (r == STEP_BAD)

@@ -762,6 +762,29 @@ def test_summary_shows_what_the_budget_shed_apart_from_losses() -> None:
     assert "Sampled out" not in Summary(info={"duration_s": 1.0}).format()
 
 
+def test_summary_shows_what_the_kernel_kept_per_port() -> None:
+    """Requests no span is made of (--unsampled follow, --no-parent skip), counted and timed in
+    the kernel: in the summary with their latency, apart from losses."""
+    s = Summary(info={"duration_s": 5.0, "filters": "port 9", "tlb_mode": "off", "gpu": "off"})
+    s.counters = {
+        "requests_unsampled": 100,
+        "kernel_unsampled_aggregated": 100,
+        "requests_aggregated{port=8080,why=unsampled}": 100,
+        "requests_aggregated_seconds{port=8080,why=unsampled}": 0.5,
+        # 60 below 4.095 ms, 99 below 8.191 ms, one in the 32.8-65.5 ms bucket
+        **{
+            f"requests_aggregated_latency_bucket{{le={le},port=8080,why=unsampled}}": n
+            for le, n in (("0.004095", 60), ("0.008191", 99), ("0.065535", 100), ("+Inf", 100))
+        },
+    }
+    text = s.format()
+    flat = " ".join(text.split())
+    assert "Losses: none" in text and "No span was made" in flat
+    assert "Kept in the kernel, no span made of them (not losses" in flat
+    assert "100  port 8080, unsampled: mean 5.00 ms, p50 < 4.09 ms, p99 < 8.19 ms" in text
+    assert "Kept in the kernel" not in Summary(info={"duration_s": 1.0}).format()
+
+
 def test_summary_without_requests_says_so() -> None:
     s = Summary(info={"duration_s": 5.0, "filters": "port 9", "tlb_mode": "off", "gpu": "off"})
     text = s.format()

@@ -23,7 +23,12 @@ MEMBER_FIELDS = [name for name, _ in WsMember._fields_]
 CUDA_FIELDS = [name for name, _ in record.CudaBlock._fields_]
 WAIT_FIELDS = [name for name, _ in record.CudaWait._fields_]
 # the budget's sampling entry and the kernel's aggregates of what it shed
-SMALL_STRUCTS = {"sampling": record.Sampling, "agg_key": record.AggKey, "agg_val": record.AggVal}
+SMALL_STRUCTS = {
+    "sampling": record.Sampling,
+    "policy": record.Policy,
+    "agg_key": record.AggKey,
+    "agg_val": record.AggVal,
+}
 HEADER = bpf_source_dir() / "http_record.h"
 # every object-like macro with a value (the include guard has none)
 CONSTANTS = re.findall(r"^#define[ \t]+([A-Z][A-Z0-9_]*)[ \t]+\S", HEADER.read_text(), re.M)

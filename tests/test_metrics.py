@@ -58,7 +58,16 @@ def test_label_value_sets_match_their_owners() -> None:
     kernel = {"kernel_" + n for n in decode.KERNEL_COUNTERS.values()}
     # the agent's own CPU (psutil) and the per-port sums of what the CPU budget shed (a kernel map)
     budget = {"requests_sampled_out", "requests_sampled_out_seconds"}
-    assert copied == kernel | {"process_cpu_seconds"} | budget
+    # ... and of what the kernel kept because no span is made of it (the same map)
+    kept = {
+        "requests_aggregated",
+        "requests_aggregated_seconds",
+        "requests_aggregated_latency_bucket",
+    }
+    assert copied == kernel | {"process_cpu_seconds"} | budget | kept
+    assert set(DECLARED["requests_aggregated"].values["why"]) == (
+        set(probes.AGG_WHY.values()) - {"shed"}
+    )
     assert set(DECLARED["traceparent_rejected"].values["reason"]) == set(traceparent.REASONS)
     signals = {s.name for s in probes.OPTIONAL_SIGNALS} | {"page_faults", *probes.CUDA_SIGNALS}
     tlb_modes = {"hardware", "flush_fallback", "off"}  # ProbeStatus.tlb_mode

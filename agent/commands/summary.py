@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tracejoin.core.metrics import AGG_BUCKET_BOUNDS
 from tracejoin.core.model import KIND_INTERNAL, KIND_SERVER, STATUS_ERROR, Span
 from tracejoin.core.text import terminal_safe
 from tracejoin.pipeline.spans import GRPC_CODE_NAMES
@@ -393,6 +394,7 @@ class Summary:
         lines.append("")
         lines.extend(self._losses())
         lines.extend(self._budget())
+        lines.extend(self._kept_in_kernel())
         return "\n".join(_fit(terminal_safe(line)) for line in lines)
 
     def _header(self) -> list[str]:
@@ -410,6 +412,9 @@ class Summary:
         unsampled = int(self.counters.get("requests_unsampled", 0))
         if unsampled:
             text += f" (and {unsampled} their callers did not sample: no span, not counted)"
+        no_parent = int(self.counters.get("kernel_no_parent_aggregated", 0))
+        if no_parent:
+            text += f" (and {no_parent} without traceparent, --no-parent skip: no span)"
         text += f"; filters: {i.get('filters') or 'none (every process and port)'}"
         text += f"; TLB signal: {i.get('tlb_mode', '?')}; GPU: {i.get('gpu', '?')}."
         return _wrap(text)
@@ -418,6 +423,11 @@ class Summary:
         filters = self.info.get("filters") or "none"
         duration = self.info.get("duration_s")
         during = f" during the {duration:.1f} s capture" if duration is not None else ""
+        if any(k.startswith("requests_aggregated{") and v for k, v in self.counters.items()):
+            return (
+                f"No span was made{during}: the requests seen made none under the policies "
+                "(--unsampled, --no-parent), and the kernel kept them (below)."
+            )
         return (
             f"No HTTP requests were seen{during}. Check the filters ({filters}) and that "
             "HTTP/1.x traffic reached a process on this host while it ran."
@@ -574,6 +584,51 @@ class Summary:
                 mean = f", mean {secs / c[k] * 1000:.2f} ms" if c[k] else ""
                 out.append(f"  {int(c[k]):>8}  port {port}{mean}")
         return out
+
+    def _kept_in_kernel(self) -> list[str]:
+        """Requests no span was made of that the kernel counted and timed instead of sending
+        (--unsampled follow, --no-parent skip), per server port: never a loss."""
+        c = self.counters
+        rows: list[str] = []
+        for k in sorted(c):
+            if not (k.startswith("requests_aggregated{") and c[k]):
+                continue
+            labels = dict(kv.split("=", 1) for kv in k[len("requests_aggregated{") : -1].split(","))
+            port, why = labels.get("port", "?"), labels.get("why", "?")
+            n = c[k]
+            secs = c.get(f"requests_aggregated_seconds{{port={port},why={why}}}", 0.0)
+            buckets = [
+                (
+                    le,
+                    c.get(
+                        f"requests_aggregated_latency_bucket{{le={le},port={port},why={why}}}", 0
+                    ),
+                )
+                for le in AGG_BUCKET_BOUNDS
+            ]
+            rows.append(
+                f"  {int(n):>8}  port {port}, {why.replace('_', ' ')}: mean "
+                f"{secs / n * 1000:.2f} ms, p50 < {_bucket_ms(buckets, n * 0.5)}, "
+                f"p99 < {_bucket_ms(buckets, n * 0.99)}"
+            )
+        if not rows:
+            return []
+        return [
+            "",
+            *_wrap(
+                "Kept in the kernel, no span made of them (not losses; counted and timed per "
+                "server port, latency from log2 buckets):"
+            ),
+            *rows,
+        ]
+
+
+def _bucket_ms(buckets: list[tuple[str, float]], rank: float) -> str:
+    """The upper bound of the cumulative bucket that holds the rank-th request."""
+    for le, cumulative in buckets:
+        if cumulative >= rank:
+            return "inf" if le == "+Inf" else f"{float(le) * 1000:.3g} ms"
+    return "inf"
 
 
 def _tlb_legend(kinds: set[str]) -> str:

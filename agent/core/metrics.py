@@ -85,6 +85,12 @@ TRACEPARENT_REASONS = (  # tracejoin.enrich.traceparent.REASONS
     "zero_parent_id",
     "beyond_scan_window",
 )
+# why the kernel aggregated a request instead of sending it (tracejoin.kernel.probes AGG_WHY, less
+# the budget's "shed", exported as requests_sampled_out)
+AGGREGATED_WHY = ("unsampled", "no_parent")
+# `le` of requests_aggregated_latency_bucket, in seconds: the kernel's bucket i holds
+# log2(µs + 1) == i, so below (2^(i+1) - 1) µs; the last is open (bpf/http_record.h AGG_BUCKETS)
+AGG_BUCKET_BOUNDS = (*(f"{(2 ** (i + 1) - 1) / 1e6:g}" for i in range(23)), "+Inf")
 PROBE_SIGNALS = (  # tracejoin.kernel.probes: OPTIONAL_SIGNALS, page_faults, tlb_<tlb_mode>
     "recvq",
     "tuple_at_read",
@@ -158,6 +164,36 @@ METRICS: tuple[Metric, ...] = (
         "port",
         copied=True,
     ),
+    # requests no span is made of, aggregated in the kernel (--unsampled follow, --no-parent skip)
+    counter(
+        "requests_aggregated",
+        "Requests the kernel kept instead of sending because no span is made of them, by "
+        "server port and why: unsampled (a valid traceparent its caller did not sample, "
+        "--unsampled follow) or no_parent (no traceparent header, --no-parent skip). Not a "
+        "loss; kernel_unsampled_aggregated and kernel_no_parent_aggregated are the totals.",
+        "port",
+        "why",
+        values={"why": AGGREGATED_WHY},
+        copied=True,
+    ),
+    counter(
+        "requests_aggregated_seconds",
+        "Summed latency (first byte queued to last byte written) of requests_aggregated.",
+        "port",
+        "why",
+        values={"why": AGGREGATED_WHY},
+        copied=True,
+    ),
+    counter(
+        "requests_aggregated_latency_bucket",
+        "Requests_aggregated with a latency below `le` seconds (cumulative log2 buckets, as "
+        "a Prometheus histogram's).",
+        "port",
+        "why",
+        "le",
+        values={"why": AGGREGATED_WHY},
+        copied=True,
+    ),
     # enrich -> spans
     counter(
         "traceparent_rejected",
@@ -167,7 +203,9 @@ METRICS: tuple[Metric, ...] = (
     ),
     counter(
         "requests_unsampled",
-        "Requests whose caller did not sample them (no span with --unsampled follow).",
+        "Requests whose caller did not sample them (no span with --unsampled follow): those "
+        "the kernel kept (kernel_unsampled_aggregated, added when the kernel's counters are "
+        "read) and those user space dropped.",
     ),
     counter("spans_built", "Spans built, server and child spans."),
     counter(

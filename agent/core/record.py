@@ -121,6 +121,8 @@ CNT_WORKSET_FULL = 20
 CNT_WORKSET_LOST = 21
 CNT_WORKSET_REFS_FULL = 22
 CNT_SAMPLED_OUT_BUDGET = 23
+CNT_UNSAMPLED_AGGREGATED = 24
+CNT_NO_PARENT_AGGREGATED = 25
 CNT_H2_CONNECTIONS = 32
 CNT_H2_STREAMS_FULL = 33
 CNT_H2_FRAME_INVALID = 34
@@ -161,6 +163,8 @@ KERNEL_COUNTERS: dict[int, str] = {
     CNT_WORKSET_LOST: "workset_lost",
     CNT_WORKSET_REFS_FULL: "workset_refs_full",
     CNT_SAMPLED_OUT_BUDGET: "sampled_out_budget",
+    CNT_UNSAMPLED_AGGREGATED: "unsampled_aggregated",
+    CNT_NO_PARENT_AGGREGATED: "no_parent_aggregated",
     CNT_H2_CONNECTIONS: "h2_connections",
     CNT_H2_STREAMS_FULL: "h2_streams_full",
     CNT_H2_FRAME_INVALID: "h2_frame_invalid",
@@ -211,6 +215,10 @@ KERNEL_COUNTER_HELP: dict[str, str] = {
     "workset_refs_full": "Threads that joined more than WS_REFS open work sets at once",
     "sampled_out_budget": "Requests the overload budget's sampling ratio kept in the kernel "
     "(counted and aggregated per endpoint; not a loss)",
+    "unsampled_aggregated": "Requests with a valid unsampled traceparent kept in the kernel "
+    "(--unsampled follow: no span; aggregated per endpoint, never sent)",
+    "no_parent_aggregated": "Requests without a traceparent header kept in the kernel "
+    "(--no-parent skip: no span; aggregated per endpoint, never sent)",
     "h2_connections": "Connections that became HTTP/2 (client preface seen)",
     "h2_streams_full": "HTTP/2 streams not tracked: their per-connection slot was taken "
     "(more than 256 open at once)",
@@ -242,12 +250,25 @@ KERNEL_COUNTER_HELP: dict[str, str] = {
 AGG_BUCKETS = 24
 AGG_ENTRIES = 1024
 AGG_SHED = 1
+AGG_UNSAMPLED = 2
+AGG_NO_PARENT = 3
 
 
 class Sampling(ctypes.Structure):
     """Mirror of struct sampling (the `sampling` array's one entry)."""
 
     _fields_ = (("bound", ctypes.c_uint64), ("active", ctypes.c_uint32), ("_pad", ctypes.c_uint32))
+
+
+class Policy(ctypes.Structure):
+    """Mirror of struct policy (the `policy` array's one entry): which spanless requests the
+    kernel aggregates instead of sending."""
+
+    _fields_ = (
+        ("agg_unsampled", ctypes.c_uint8),
+        ("agg_no_parent", ctypes.c_uint8),
+        ("_pad", ctypes.c_uint8 * 6),
+    )
 
 
 class AggKey(ctypes.Structure):
@@ -330,7 +351,7 @@ class HttpRecord(ctypes.Structure):
         ("rport", ctypes.c_uint16),
         ("tp_len", ctypes.c_uint16),
         ("tp_count", ctypes.c_uint8),
-        ("_pad0", ctypes.c_uint8),
+        ("unspanned", ctypes.c_uint8),
         ("pid", ctypes.c_uint32),
         ("tid", ctypes.c_uint32),
         ("fd", ctypes.c_uint32),

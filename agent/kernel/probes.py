@@ -19,7 +19,9 @@ from typing import Any
 
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.record import (
+    AGG_NO_PARENT,
     AGG_SHED,
+    AGG_UNSAMPLED,
     CNT_MAX,
     KERNEL_COUNTERS,
     PROG_H2_END,
@@ -31,6 +33,7 @@ from tracejoin.core.record import (
     RINGBUF_PAGES,
     WS_SLOTS,
     HttpRecord,
+    Policy,
     Sampling,
     WsMember,
 )
@@ -39,6 +42,9 @@ from tracejoin.kernel.cuda import CudaProbes, load_apis
 from tracejoin.kernel.perf import perf_event_open_check
 
 log = logging.getLogger(__name__)
+
+# struct agg_key.why -> the name user space gives it (metrics' `why` label)
+AGG_WHY = {AGG_SHED: "shed", AGG_UNSAMPLED: "unsampled", AGG_NO_PARENT: "no_parent"}
 
 TRACEFS_CANDIDATES = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 
@@ -458,19 +464,37 @@ class HttpProbes:
         table = self._bpf[b"sampling"]  # type: ignore[index]
         table[ctypes.c_int(0)] = sampling_entry(ratio)
 
+    def set_policy(self, *, unsampled: str, no_parent: str) -> None:
+        """Tell the kernel which requests no span is made of (--unsampled, --no-parent), so it
+        aggregates them instead of sending them. Until this is called every request is sent
+        and user space decides, as it does for everything the kernel cannot be sure of."""
+        if self._bpf is None:
+            return
+        table = self._bpf[b"policy"]  # type: ignore[index]
+        table[ctypes.c_int(0)] = Policy(
+            agg_unsampled=unsampled == "follow", agg_no_parent=no_parent == "skip"
+        )
+
     def shed(self) -> dict[tuple[int, int], tuple[int, int, list[int]]]:
         """What the budget shed, per endpoint (pid, port): requests, summed latency in ns,
         and log2-µs latency buckets (bpf/http_record.h struct agg_val), summed over CPUs."""
+        return self.aggregates().get(AGG_WHY[AGG_SHED], {})
+
+    def aggregates(self) -> dict[str, dict[tuple[int, int], tuple[int, int, list[int]]]]:
+        """Every request the kernel kept instead of sending, by why ("shed", "unsampled",
+        "no_parent") then endpoint (pid, port): requests, summed latency in ns and log2-µs
+        latency buckets (struct agg_val), summed over CPUs."""
         if self._bpf is None:
             return {}
-        out: dict[tuple[int, int], tuple[int, int, list[int]]] = {}
+        out: dict[str, dict[tuple[int, int], tuple[int, int, list[int]]]] = {}
         for key, per_cpu in self._bpf[b"shed"].items():  # type: ignore[index]
-            if key.why != AGG_SHED:
+            why = AGG_WHY.get(key.why)
+            if why is None:
                 continue
             count = sum(v.count for v in per_cpu)
             total = sum(v.sum_ns for v in per_cpu)
             hist = [sum(v.hist[i] for v in per_cpu) for i in range(len(per_cpu[0].hist))]
-            out[(key.pid, key.lport)] = (count, total, hist)
+            out.setdefault(why, {})[(key.pid, key.lport)] = (count, total, hist)
         return out
 
     def detach(self) -> None:

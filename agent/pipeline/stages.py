@@ -155,6 +155,9 @@ class Pipeline:
         self._paused = threading.Event()
         self._reader: threading.Thread | None = None
         self._stopped = False
+        # the kernel's unsampled_aggregated already added to requests_unsampled
+        self._unsampled_folded = 0
+        self._fold_lock = threading.Lock()
 
     # -- the stages -----------------------------------------------------------------------
 
@@ -268,6 +271,13 @@ class Pipeline:
         counters = self.source.kernel_counters()
         for name, value in counters.items():
             self.metrics.set("kernel_" + name, value)
+        # requests_unsampled counts every request whose caller did not sample it, wherever the
+        # decision was made: the ones the kernel kept (--unsampled follow) are added here
+        with self._fold_lock:
+            kept = counters.get("unsampled_aggregated", 0)
+            if kept > self._unsampled_folded:
+                self.metrics.inc("requests_unsampled", kept - self._unsampled_folded)
+                self._unsampled_folded = kept
         return counters
 
     def shutdown(self, timeout_s: float = 5.0) -> None:

@@ -117,6 +117,7 @@ func rateMain(args []string) (*rateResult, error) {
 	drain := fs.Duration("drain", 2*time.Second, "wait for answers after the window")
 	nconns := fs.Int("conns", 32, "keep-alive connections")
 	seed := fs.Int64("seed", time.Now().UnixNano(), "trace id seed")
+	unsampled := fs.Bool("unsampled", false, "traceparent flags 00 (the caller did not sample)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -181,7 +182,11 @@ func rateMain(args []string) (*rateResult, error) {
 	// The request, with the traceparent's hex digits rewritten per request.
 	head := "GET " + *path + " HTTP/1.1\r\nHost: " + *addr + "\r\nUser-Agent: tj-loadgen\r\n" +
 		"traceparent: 00-"
-	req := []byte(head + "00000000000000000000000000000000-0000000000000000-01\r\n\r\n")
+	flags := "01"
+	if *unsampled {
+		flags = "00"
+	}
+	req := []byte(head + "00000000000000000000000000000000-0000000000000000-" + flags + "\r\n\r\n")
 	traceOff, spanOff := len(head), len(head)+33
 	rng := rand.New(rand.NewSource(*seed))
 	traceHi := rng.Uint64() | 1
