@@ -1031,7 +1031,7 @@ static __always_inline void h2_finish(struct scratch *s, u64 sk, struct conn *c,
         rec->flags |= REQF_NO_RESPONSE;
         finish_request(rec, c, now);
     }
-    emit(rec);
+    send_record(rec);
     reqs.delete(&key);
 }
 

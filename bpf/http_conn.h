@@ -239,14 +239,8 @@ static __always_inline void aggregate(struct http_record *rec, u16 why)
 /* Records go out without waking the reader (it consumes on a timer, agent/pipeline/stages.py),
  * except every WAKE_EVERY-th on a CPU: then the ring can never be more than half full of records
  * nobody was woken for, and a burst still wakes the reader early. */
-static __always_inline void emit(struct http_record *rec)
+static __always_inline void send_record(struct http_record *rec)
 {
-    u32 kept = (u32)rec->unspanned - AGG_UNSAMPLED;   /* decided when its headers ended */
-    if (kept < 2) {
-        count(CNT_UNSAMPLED_AGGREGATED + kept);     /* AGG_* and CNT_* in step */
-        aggregate(rec, rec->unspanned);
-        return;
-    }
     if (!budget_keeps(rec)) {
         count(CNT_SAMPLED_OUT_BUDGET);
         aggregate(rec, AGG_SHED);
@@ -262,6 +256,20 @@ static __always_inline void emit(struct http_record *rec)
     }
     if (events.ringbuf_output(rec, record_size(rec), flags) != 0)
         count(CNT_RINGBUF_FULL);
+}
+
+/* An HTTP/1.x request ends: kept in the kernel when no span will be made of it (decided when
+ * its headers ended, http_request.h), else sent. HTTP/2 streams call send_record() directly:
+ * the kernel does not decide for them, and h2_end has no verifier budget to spare. */
+static __always_inline void emit(struct http_record *rec)
+{
+    u32 kept = (u32)rec->unspanned - AGG_UNSAMPLED;
+    if (kept < 2) {
+        count(CNT_UNSAMPLED_AGGREGATED + kept);     /* AGG_* and CNT_* in step */
+        aggregate(rec, rec->unspanned);
+        return;
+    }
+    send_record(rec);
 }
 
 /* Emit and forget every request still open on a connection that is going away. */
