@@ -145,6 +145,16 @@ static __always_inline void h2_start(struct conn *c, u64 sk, u8 preface, u8 upgr
     c->flags |= CONN_H2;
 }
 
+/* End every open stream of e->sk (why: H2F_*) in PROG_H2_END; nothing is resumed after. */
+static __always_inline void h2_flush(void *ctx, struct h2end *e, u16 why)
+{
+    e->flush = why;
+    e->flush_above = 0;
+    e->cursor = 0;
+    e->resume = 0;
+    progs.call(ctx, PROG_H2_END);
+}
+
 /* We are closing the connection (inet_sock_set_state): every stream still open ends now. */
 static __always_inline void h2_close(void *ctx, u64 sk)
 {
@@ -154,9 +164,5 @@ static __always_inline void h2_close(void *ctx, u64 sk)
         return;
     e->sk = sk;
     e->n = 0;
-    e->flush = H2F_CLOSED;
-    e->flush_above = 0;
-    e->cursor = 0;
-    e->resume = 0;
-    progs.call(ctx, PROG_H2_END);
+    h2_flush(ctx, e, H2F_CLOSED);
 }

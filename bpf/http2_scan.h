@@ -817,11 +817,7 @@ static __always_inline void h2_done(void *ctx, struct scratch *s)
 static __always_inline int h2_die(void *ctx, struct h2conn *hc, struct h2end *e)
 {
     hc->dead = 1;
-    e->flush = H2F_LOST;
-    e->flush_above = 0;
-    e->cursor = 0;
-    e->resume = 0;
-    progs.call(ctx, PROG_H2_END);
+    h2_flush(ctx, e, H2F_LOST);
     return 0;
 }
 
