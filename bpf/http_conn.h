@@ -61,7 +61,8 @@ static __always_inline int forget(void *ctx, int dir)
         s->chain = 0;
         progs.call(ctx, more - 1);
     }
-    if (s->nnotes)              /* requests this syscall opened or ended (http_enrich.h) */
+    if (s->nnotes)              /* requests this syscall opened or ended (http_enrich.h): the
+                                 * one check every probed syscall exit makes */
         progs.call(ctx, PROG_RUN_NOTES);
     return 0;
 }

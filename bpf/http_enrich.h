@@ -143,14 +143,6 @@ static __always_inline void finish_request_in_scanner(struct scratch *s, struct 
 #endif
 }
 
-/* Whether any note waits on this CPU: the one check every probed syscall exit makes. */
-static __always_inline int notes_waiting(void)
-{
-    int z = 0;
-    struct scratch *s = scratch_map.lookup(&z);
-    return s && s->nnotes;
-}
-
 /* At a syscall's exit: the notes this thread's scanners left (see note()). A note whose thread
  * migrated before its exit, or that four later ones overwrote, is not run: that request's
  * record then says its statistics were not taken (no WSF_STATS), and its work set, if any,

@@ -45,7 +45,7 @@ from tracejoin.core.otlp_wire import (
     varint,
 )
 from tracejoin.core.record import H2F_STREAM, WSF_CAP, WSF_NO_GAP, WSF_STATS
-from tracejoin.core.text import OTHER_METHOD, http_method, url_path
+from tracejoin.core.text import http_method, url_path
 from tracejoin.enrich.enricher import EnrichedRecord
 from tracejoin.kernel.decode import (
     REQF_FIRST_ON_CONN,
@@ -68,8 +68,8 @@ from tracejoin.pipeline.spans import (
     _tracked,
     build_spans,
     child_spans,
+    http_span_name,
     needs_children,
-    route_of,
 )
 
 IntWriter = Callable[[int], bytes]
@@ -181,7 +181,7 @@ _names: dict[tuple[str, str, bool], bytes] = {}  # (method, path, instrumented) 
 def _name_field(method: str, path: str, instrumented: bool) -> bytes:
     got = _names.get((method, path, instrumented))
     if got is None:
-        name = f"{'HTTP' if method == OTHER_METHOD else method} {route_of(path)}"
+        name = http_span_name(method, path)
         b = utf8(f"{name}{KERNEL_SUFFIX}" if instrumented else name)
         got = T_SPAN_NAME + varint(len(b)) + b
         if len(_names) >= _CACHE_MAX:

@@ -118,6 +118,11 @@ def _h2_ended_by(flags: int) -> str | None:
     return None
 
 
+def http_span_name(method: str, path: str) -> str:
+    """The request span's name: "<method> <route>" ("HTTP <route>" for an unknown method)."""
+    return f"{'HTTP' if method == OTHER_METHOD else method} {route_of(path)}"
+
+
 @lru_cache(maxsize=4096)  # paths repeat; the regex per segment costs microseconds
 def route_of(path: str) -> str:
     """Bounded-cardinality route for span names: ids -> {id}, at most 4 segments."""
@@ -183,7 +188,7 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
     if rec.status:
         attrs["http.response.status_code"] = rec.status
     h2 = bool(rec.h2_flags & H2F_STREAM)
-    name = f"{'HTTP' if method == OTHER_METHOD else method} {route_of(path)}"
+    name = http_span_name(method, path)
     grpc_code = rec.grpc_status - 1 if h2 and rec.grpc_status else None
     if h2:
         attrs["network.protocol.version"] = "2"
