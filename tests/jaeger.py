@@ -202,6 +202,16 @@ def parent_span_id(span: Mapping[str, Any]) -> str | None:
     return None
 
 
+def the_server_span(trace: Mapping[str, Any], trace_id: int, parent: int) -> dict[str, Any]:
+    """The trace's only SERVER span, checked to sit under `parent` in trace `trace_id`."""
+    servers = [s for s in trace["spans"] if span_tags(s).get("span.kind") == "server"]
+    assert len(servers) == 1, trace["spans"]
+    span = servers[0]
+    assert trace_ids_equal(span["traceID"], f"{trace_id:032x}")
+    assert parent_span_id(span) == f"{parent:016x}"
+    return dict(span)
+
+
 def span_service(trace: Mapping[str, Any], span: Mapping[str, Any]) -> str:
     return str(trace["processes"][span["processID"]]["serviceName"])
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 from harness import new_traceparent, raw_request, server
-from jaeger import parent_span_id, span_tags, trace_ids_equal
+from jaeger import parent_span_id, span_tags, the_server_span
 from tracejoin.core.model import KIND_SERVER
 
 pytestmark = [pytest.mark.privileged, pytest.mark.e2e]
@@ -42,11 +42,7 @@ def _assert_in_jaeger(
     jaeger, trace_id: int, parent: int, method: str, path: str, status: int, min_ms: float
 ) -> dict:
     trace = jaeger.get_trace(f"{trace_id:032x}", timeout_s=15)
-    servers = [s for s in trace["spans"] if span_tags(s).get("span.kind") == "server"]
-    assert len(servers) == 1, trace["spans"]
-    span = servers[0]
-    assert trace_ids_equal(span["traceID"], f"{trace_id:032x}")
-    assert parent_span_id(span) == f"{parent:016x}"
+    span = the_server_span(trace, trace_id, parent)
     tags = span_tags(span)
     assert tags["http.request.method"] == method
     assert tags["url.path"] == path

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 from harness import free_ports, new_traceparent, server
-from jaeger import parent_span_id, span_service, span_tags, trace_ids_equal
+from jaeger import span_service, span_tags, the_server_span
 from tracejoin.app import build_agent
 from tracejoin.config import Settings
 from tracejoin.core.metrics import Metrics
@@ -51,11 +51,7 @@ def test_a_span_over_the_object_free_path_reaches_jaeger_whole(otlp_only, jaeger
             check=True, timeout=10,
         )  # fmt: skip
         trace = jaeger.get_trace(f"{trace_id:032x}", timeout_s=20)
-    servers = [s for s in trace["spans"] if span_tags(s).get("span.kind") == "server"]
-    assert len(servers) == 1, trace["spans"]
-    span = servers[0]
-    assert trace_ids_equal(span["traceID"], f"{trace_id:032x}")
-    assert parent_span_id(span) == f"{parent:016x}"
+    span = the_server_span(trace, trace_id, parent)
     assert span["operationName"] == "GET /items/{id}"
     assert span_service(trace, span) == "tj-span-bytes-e2e"
     tags = span_tags(span)
