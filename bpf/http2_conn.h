@@ -75,7 +75,8 @@ struct h2dir {
     u8 hb[9];
     u8 qmin;                    /* Huffman :path: the smallest next byte that would complete a
                                  * run of eight 1-bits (bpf/http2_scan.h h2_str_byte) */
-    u8 _pad[4];
+    u8 opening;                 /* read side: the block's HEADERS frame may open a stream (h2_open) */
+    u8 _pad[3];
     u8 kinds[H2_KINDS];         /* K_* of insertion n, at n % H2_KINDS */
 };
 

@@ -446,6 +446,41 @@ def test_streams_no_http2_server_answered_or_without_method_are_not_spans(h2agen
     assert not [s for s in h2agent.spans() if s.trace_id in (poison_id, bare_id)]
 
 
+def test_a_header_block_ending_on_a_programs_last_step_still_ends(h2agent: Agent) -> None:
+    """The decoder runs a bounded number of steps per program. A header block whose last byte
+    is taken by a program's last step still has its end to run (the request's headers are
+    complete; a response's trailers end its stream), though no byte is left: blocks of 1 to 72
+    one-byte fields put that boundary at every position, on both sides."""
+    port = h2agent.take_port()
+    sent = []
+    c = Scripted(port)
+    try:
+        c.client(PREFACE + SETTINGS)
+        c.server(SETTINGS)
+        for k in range(1, 73):
+            sid = 2 * k - 1
+            tp, tid, parent = new_traceparent()
+            sent.append((sid, tid, parent))
+            extra = indexed(16) * k  # accept-encoding: gzip, deflate
+            c.client(
+                frame(
+                    HEADERS,
+                    END_HEADERS | END_STREAM,
+                    sid,
+                    request_block(b"/a.B/M", tp.encode()) + extra,
+                )
+            )
+            c.server(frame(HEADERS, END_HEADERS | END_STREAM, sid, indexed(8) + extra))
+        spans = _server_spans(h2agent, port, len(sent))
+    finally:
+        c.close()
+    got = {s.attributes["tracejoin.http2.stream_id"]: s for s in spans}
+    assert sorted(got) == [sid for sid, _, _ in sent]
+    for sid, tid, parent in sent:
+        assert got[sid].trace_id == tid and got[sid].parent_span_id == parent
+        assert "tracejoin.http2.ended_by" not in got[sid].attributes, got[sid].attributes
+
+
 def test_hand_built_frames(h2agent: Agent) -> None:
     """Split HEADERS, CONTINUATION, padding and priority, a traceparent reused by index, a
     literal :path with a query, RST_STREAM, GOAWAY: the right span for each stream."""
