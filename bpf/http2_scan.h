@@ -73,7 +73,9 @@ static __always_inline int h2_push_end(struct h2end *e, u32 sid, u16 why)
 
 /* The record header-block fields go to: the stream's, or the ghost record (an untracked
  * stream, a response to a stream we never saw open, PUSH_PROMISE): its values still feed the
- * dynamic table, and it is never emitted. */
+ * dynamic table, and it is never emitted. Not counted here: an untracked stream was counted
+ * when it was not opened (h2_open), and a tracked one whose record is gone is counted once,
+ * when its slot is freed (h2_finish). */
 static __always_inline struct http_record *h2_block_rec(struct scratch *s, struct h2dir *d)
 {
     if (!d->ghost) {
@@ -81,7 +83,6 @@ static __always_inline struct http_record *h2_block_rec(struct scratch *s, struc
         struct http_record *rec = reqs.lookup(&key);
         if (rec)
             return rec;
-        count(CNT_H2_STATE_LOST);
         d->ghost = 1;
     }
     return ghost_record(s->sk);

@@ -374,6 +374,48 @@ def test_grpcio_unary_streaming_and_error_status(h2agent: Agent) -> None:
     _no_secret_anywhere(spans)
 
 
+def test_grpcio_concurrent_calls_beyond_the_stream_slots_are_spans_or_counted(
+    h2agent: Agent,
+) -> None:
+    """gRPC core multiplexes concurrent calls on one connection and reads many header blocks at
+    once (a plain-text traceparent, every other field indexed after the first call). 300
+    client-streaming calls held open at once pass the H2_STREAMS (256) streams tracked per
+    connection: the first 256 are spans with the trace id and parent they carried, the other 44
+    are counted once each as streams not tracked, and nothing else is lost or counted."""
+    import threading
+
+    grpc = pytest.importorskip("grpc")
+    port = h2agent.take_port()
+    before = {n: kernel_counter(h2agent, n) for n in ("h2_streams_full", "h2_state_lost")}
+    go = threading.Event()
+
+    def requests():  # type: ignore[no-untyped-def]
+        go.wait(30)
+        yield BODY
+
+    calls = {}
+    with grpc_server(port):
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        collect = ch.stream_unary("/tj.Echo/Collect")
+        assert collect(iter([BODY])) == BODY  # the connection is up before the burst
+        futures = []
+        for _ in range(300):
+            tp, tid, parent = new_traceparent()
+            calls[tid] = parent
+            futures.append(collect.future(requests(), metadata=(("traceparent", tp),)))
+        time.sleep(1.0)  # every call's HEADERS is out: 300 streams open
+        go.set()
+        assert [f.result(timeout=60) for f in futures] == [BODY] * 300
+        ch.close()
+        spans = _server_spans(h2agent, port, 257)
+    spans = [s for s in spans if s.trace_id in calls]
+    full = kernel_counter(h2agent, "h2_streams_full") - before["h2_streams_full"]
+    assert (len(spans), full) == (256, 44)
+    assert kernel_counter(h2agent, "h2_state_lost") == before["h2_state_lost"]
+    for s in spans:
+        assert s.parent_span_id == calls[s.trace_id] and s.name == "tj.Echo/Collect"
+
+
 def test_grpcio_call_round_trips_through_jaeger(agent: Agent, jaeger: Jaeger) -> None:
     """The session agent exports over OTLP to a real Jaeger: a gRPC call's span comes back
     from Jaeger's query API under the caller's trace and parent, with its rpc.* tags, and a
