@@ -1040,10 +1040,17 @@ static __always_inline void h2_finish(struct scratch *s, u64 sk, struct conn *c,
         reqs.delete(&key);
         return;
     }
-    if (!rec->method_len || !rec->path_len) {
+    /* a field referred to a dynamic-table entry whose value the kernel does not hold: if the
+     * stream lacks a traceparent, that may have been it (shifts and masks, not branches: the
+     * verifier walks this once per stream h2_end emits) */
+    u32 unresolved = (rec->h2_flags / H2F_UNRESOLVED) & 1;
+    u32 no_tp = ((u32)rec->tp_len - 1) >> 31;
+    if (!rec->method_len || !rec->path_len || (unresolved & no_tp)) {
         /* RFC 9113 8.3.1: a request without :method or :path is malformed (the server
-         * resets it); it is not a hop to put in the caller's trace */
-        count(CNT_H2_MALFORMED);
+         * resets it); it is not a hop to put in the caller's trace. With a field unresolved,
+         * the missing one may have been that field: counted apart, and a span would guess
+         * its trace or its name. */
+        count(CNT_H2_MALFORMED + unresolved);
         reqs.delete(&key);
         return;
     }

@@ -293,6 +293,8 @@ struct policy {
 #define CNT_H2_HEADERS_CUT      41 /* streams that ended before their header block did: not emitted */
 #define CNT_H2_UNANSWERED       42 /* streams not emitted: the server never spoke HTTP/2 (no SETTINGS) */
 #define CNT_H2_MALFORMED        43 /* streams not emitted: their request had no :method or no :path */
+#define CNT_H2_FIELD_UNRESOLVED 44 /* streams not emitted: a field was unresolved (38, 39) and the
+                                    * traceparent, :method or :path it may have been is missing */
 #define CNT_CUDA_UNATTRIBUTED   46 /* probed CUDA calls by a thread in no open work set */
 #define CNT_CUDA_NESTED         47 /* probed calls beneath another (runtime over driver): not
                                     * counted again */

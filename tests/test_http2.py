@@ -286,7 +286,7 @@ class Scripted:
 
 @pytest.fixture(scope="module")
 def h2agent(privileged: None) -> Iterator[Agent]:
-    a = Agent(free_ports(12), None)
+    a = Agent(free_ports(16), None)
     a.start()
     try:
         yield a
@@ -579,6 +579,65 @@ def test_hand_built_frames(h2agent: Agent) -> None:
     assert by_stream[9].trace_id == tps[9][1]
     assert by_stream[9].attributes["tracejoin.http2.ended_by"] == "goaway"
     _no_secret_anywhere(spans)
+
+
+def test_dynamic_table_references_resolved_or_counted_never_guessed(h2agent: Agent) -> None:
+    """A traceparent by dynamic index is the value its entry was inserted with, also past the
+    128 insertions whose kinds the kernel keeps. A reference to an entry whose value the kernel
+    does not hold (a second traceparent in one block is never copied) is counted; a stream
+    that then lacks a traceparent is not a span (the missing one may have been that entry: a
+    span would start a new trace on a guess), and one that has its own is flagged."""
+    port = h2agent.take_port()
+    names = ("h2_dyn_unresolved", "h2_dyn_beyond", "h2_field_unresolved", "h2_malformed")
+    before = {n: kernel_counter(h2agent, n) for n in names}
+    tp1, tid1, parent1 = new_traceparent()
+    tp2, tid2, _ = new_traceparent()
+    tp4, tid4, parent4 = new_traceparent()
+    tp5, tid5, parent5 = new_traceparent()
+    fillers = b"".join(lit(b"x-n", b"%d" % i, inc=True) for i in range(130))
+
+    def req(path: bytes, rest: bytes) -> bytes:
+        return indexed(3) + lit(4, path) + rest
+
+    c = Scripted(port)
+    try:
+        c.client(PREFACE + SETTINGS)
+        # the server's decoder table: 64 KiB, so 132 entries stay in it (RFC 7541 4.2)
+        c.server(frame(4, 0, 0, b"\0\x01" + (65536).to_bytes(4, "big")))
+        streams = {
+            # insertion 0: tp1 with its value; 1: tp2, a second traceparent, not copied
+            1: req(b"/a.B/One", lit(b"traceparent", tp1.encode(), inc=True))
+            + lit(b"traceparent", tp2.encode(), inc=True),
+            3: req(b"/a.B/Two", indexed(62)),  # tp2's entry: no value held
+            5: req(b"/a.B/Three", indexed(63)),  # tp1's entry
+            7: req(b"/a.B/Four", fillers + lit(b"traceparent", tp4.encode())),  # 2..131
+            9: req(b"/a.B/Five", indexed(62 + 131)),  # tp1's, beyond the kinds kept
+            11: req(b"/a.B/Six", indexed(62 + 130)),  # tp2's, beyond: kind unknown
+            13: req(b"/a.B/Seven", indexed(62 + 129) + lit(b"traceparent", tp5.encode())),
+        }
+        for sid, block in streams.items():
+            c.client(frame(HEADERS, END_HEADERS | END_STREAM, sid, block))
+            c.server(response(sid))
+        spans = _server_spans(h2agent, port, 5)
+        time.sleep(0.3)  # a late span for stream 3 or 11 would be a defect
+        spans = _server_spans(h2agent, port, 5)
+    finally:
+        c.close()
+    by_stream = {s.attributes["tracejoin.http2.stream_id"]: s for s in spans}
+    assert sorted(by_stream) == [1, 5, 7, 9, 13]
+    assert tid2 not in {s.trace_id for s in spans}
+    for sid, tid, parent in ((5, tid1, parent1), (7, tid4, parent4), (9, tid1, parent1)):
+        assert (by_stream[sid].trace_id, by_stream[sid].parent_span_id) == (tid, parent)
+        assert "tracejoin.http2.field_unresolved" not in by_stream[sid].attributes
+    assert (by_stream[13].trace_id, by_stream[13].parent_span_id) == (tid5, parent5)
+    assert by_stream[13].attributes["tracejoin.http2.field_unresolved"] is True
+    after = {n: kernel_counter(h2agent, n) - before[n] for n in names}
+    assert after == {
+        "h2_dyn_unresolved": 1,
+        "h2_dyn_beyond": 2,
+        "h2_field_unresolved": 2,
+        "h2_malformed": 0,
+    }
 
 
 def test_huffman_path_query_never_leaves_the_kernel(

@@ -135,6 +135,7 @@ CNT_H2_STATE_LOST = 40
 CNT_H2_HEADERS_CUT = 41
 CNT_H2_UNANSWERED = 42
 CNT_H2_MALFORMED = 43
+CNT_H2_FIELD_UNRESOLVED = 44
 CNT_CUDA_UNATTRIBUTED = 46
 CNT_CUDA_NESTED = 47
 CNT_CUDA_ACC_LOST = 48
@@ -177,6 +178,7 @@ KERNEL_COUNTERS: dict[int, str] = {
     CNT_H2_HEADERS_CUT: "h2_headers_cut",
     CNT_H2_UNANSWERED: "h2_unanswered",
     CNT_H2_MALFORMED: "h2_malformed",
+    CNT_H2_FIELD_UNRESOLVED: "h2_field_unresolved",
     CNT_CUDA_UNATTRIBUTED: "cuda_unattributed",
     CNT_CUDA_NESTED: "cuda_nested",
     CNT_CUDA_ACC_LOST: "cuda_acc_lost",
@@ -239,6 +241,9 @@ KERNEL_COUNTER_HELP: dict[str, str] = {
     "connection (no SETTINGS frame: an HTTP/1.x-only server, or none answered)",
     "h2_malformed": "HTTP/2 streams not emitted: the request had no :method or no :path "
     "(malformed, RFC 9113 8.3.1)",
+    "h2_field_unresolved": "HTTP/2 streams not emitted: a field referred to a dynamic-table "
+    "entry whose value the kernel does not hold, and the stream lacks the traceparent, "
+    ":method or :path it may have been (a span would guess its trace or its name)",
     "cuda_unattributed": "Probed CUDA calls by a thread in no open request's work set "
     "(work outside requests, or a worker that polls: no thread link)",
     "cuda_nested": "Probed CUDA calls made beneath another probed call (a runtime call's "
