@@ -9,8 +9,12 @@ kernel's decoder):
 Phases: off, on, on, off, off (the real `tracejoin run`, spans to OTLP-JSON on tmpfs): the
 agent starts once (its BCC compile takes most of a minute); "on" is compared with the mean of
 the "off" phases before and after it. Server pinned to CPU1, client and agent to CPU0,
-as bench/run.py pins its HTTP/1.x rows. Reports requests/s, p50/p99 latency, records per
-request and the HTTP/2 loss counters (docs/probes.md).
+as bench/run.py pins its HTTP/1.x rows. Reports requests/s, p50/p99 latency, records and
+requests shed by the overload budget per request (the two add up to 1 when nothing is lost;
+`--cpu-budget 0` sheds none), the HTTP/2 loss counters (docs/probes.md), and where the cost
+goes: the agent process's CPU per request and the kernel's, program by program
+(kernel.bpf_stats_enabled on during the "on" phases only, then restored; it adds its own
+clock reads to every program run).
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument(
+        "--cpu-budget", type=float, default=None, help="the agent's --cpu-budget (default: its own)"
+    )
     args = ap.parse_args(argv)
     seconds = 3.0 if args.quick else 8.0
     if shutil.which("go") is None:
@@ -70,20 +77,30 @@ def main(argv: list[str] | None = None) -> int:
         phases: list[tuple[str, dict[str, float]]] = [
             ("off", load(exe, port, seconds, args.concurrency))
         ]
-        agent = m.AgentRun(ports=[port], cpu=0)
+        budget = [] if args.cpu_budget is None else ["--cpu-budget", f"{args.cpu_budget:g}"]
+        agent = m.AgentRun(ports=[port], cpu=0, extra_args=budget)
         agent.start()
+        stats = m.BpfStatsSwitch()
+        progs: list[dict] = []
         try:
+            stats.on()
             for _ in range(2):
-                before = agent.metrics()
+                before, c0, p0 = agent.metrics(), agent.cpu_split(), m.prog_stats(agent.prog_ids)
                 on = load(exe, port, seconds, args.concurrency)
                 after = agent.wait_drained(before)
+                c1, p1 = agent.cpu_split(), m.prog_stats(agent.prog_ids)
                 d = m.delta(before, after)
-                on["records_per_request"] = d.get("kernel_records_submitted", 0) / max(
-                    1, on["requests"]
-                )
+                n = max(1, on["requests"])
+                on["records_per_request"] = d.get("kernel_records_submitted", 0) / n
+                on["shed_per_request"] = d.get("kernel_sampled_out_budget", 0) / n
                 on.update({k: v for k, v in d.items() if k.startswith("kernel_h2_") and v})
+                on["agent_cpu_us_per_request"] = round((sum(c1) - sum(c0)) * 1e6 / n, 1)
+                table = m.bpf_table(p0, p1, int(n))
+                on["bpf_us_per_request"] = round(table["ns_per_request"] / 1000, 1)
+                progs = table["programs"]
                 phases.append(("on", on))
         finally:
+            stats.restore()
             agent.stop()
         for _ in range(2):
             phases.append(("off", load(exe, port, seconds, args.concurrency)))
@@ -96,12 +113,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"h2c, {args.concurrency} streams on one connection, {seconds:.0f} s phases")
     row = "  {:<3} {:>9.0f} req/s  p50 {:>6.0f} us  p99 {:>6.0f} us{}"
     for kind, p in phases:
-        shown = {k: v for k, v in p.items() if k.startswith(("records", "kernel"))}
+        shown = {
+            k: v
+            for k, v in p.items()
+            if k.startswith(("records", "shed", "kernel", "agent", "bpf"))
+        }
         extra = "".join(f"  {k}={v:g}" for k, v in shown.items())
         print(row.format(kind, p["rps"], p["p50_us"], p["p99_us"], extra))
     for key in ("rps", "p50_us", "p99_us"):
         off, on = mean(offs, key), mean(ons, key)
         print(f"  {key:<7} off {off:>9.0f}  on {on:>9.0f}  on/off {on / off:.3f}")
+    print("  the kernel's programs in the last on phase (with stats on), per request:")
+    for p in progs[:8]:
+        print(
+            f"    {p['name']:<16} {p['hits_per_request']:>6.2f} hits"
+            f" {p['ns_per_hit']:>9.0f} ns/hit {p['ns_per_request'] / 1000:>7.1f} us"
+        )
     return 0
 
 

@@ -182,6 +182,29 @@ def prog_stats(ids: set[int]) -> dict[int, dict[str, Any]]:
     }
 
 
+def bpf_table(p0: dict, p1: dict, requests: int) -> dict[str, Any]:
+    """Per program between two prog_stats() readings: hits, ns per hit, per request."""
+    progs = []
+    for pid, b in p1.items():
+        a = p0.get(pid, {"run_time_ns": 0, "run_cnt": 0})
+        cnt = b["run_cnt"] - a["run_cnt"]
+        ns = b["run_time_ns"] - a["run_time_ns"]
+        if cnt <= 0:
+            continue
+        progs.append(
+            {
+                "name": b["name"],
+                "hits": cnt,
+                "ns_per_hit": round(ns / cnt, 1),
+                "hits_per_request": round(cnt / max(1, requests), 2),
+                "ns_per_request": round(ns / max(1, requests), 1),
+            }
+        )
+    progs.sort(key=lambda p: -p["ns_per_request"])
+    total = sum(p["ns_per_request"] for p in progs)
+    return {"requests": requests, "programs": progs, "ns_per_request": round(total, 1)}
+
+
 def foreign_tracing_progs(own: set[int]) -> int:
     """Tracing programs loaded by someone else (another tracejoin under test, say): noise."""
     try:

@@ -306,11 +306,11 @@ class Bench:
                 self.loss.append(step)
                 self.log("  " + loss_line(step))
             p1 = m.prog_stats(agent.prog_ids)
-            self.bpf = bpf_table(p0, p1, total_requests)
+            self.bpf = m.bpf_table(p0, p1, total_requests)
             # the unrelated process, program by program (its calls, not HTTP requests)
             sys_res = m.syscalls(cfg.syscall_calls, 1, cfg.syscall_cpu)
             p2 = m.prog_stats(agent.prog_ids)
-            progs = bpf_table(p1, p2, 1)["programs"]
+            progs = m.bpf_table(p1, p2, 1)["programs"]
             self.bpf["syscall_loop"] = {
                 "calls_each": cfg.syscall_calls,
                 "ns_per_call_with_stats": {k: v for k, v in sys_res.items() if k.endswith("_ns")},
@@ -362,28 +362,6 @@ def agent_delta(d: dict[str, float], c0: tuple[float, float], c1: tuple[float, f
         "cpu_us_per_record": round((user + system) * 1e6 / received, 2) if received else None,
         "user_us_per_record": round(user * 1e6 / received, 2) if received else None,
     }
-
-
-def bpf_table(p0: dict, p1: dict, requests: int) -> dict[str, Any]:
-    progs = []
-    for pid, b in p1.items():
-        a = p0.get(pid, {"run_time_ns": 0, "run_cnt": 0})
-        cnt = b["run_cnt"] - a["run_cnt"]
-        ns = b["run_time_ns"] - a["run_time_ns"]
-        if cnt <= 0:
-            continue
-        progs.append(
-            {
-                "name": b["name"],
-                "hits": cnt,
-                "ns_per_hit": round(ns / cnt, 1),
-                "hits_per_request": round(cnt / max(1, requests), 2),
-                "ns_per_request": round(ns / max(1, requests), 1),
-            }
-        )
-    progs.sort(key=lambda p: -p["ns_per_request"])
-    total = sum(p["ns_per_request"] for p in progs)
-    return {"requests": requests, "programs": progs, "ns_per_request": round(total, 1)}
 
 
 # ------------------------------------------------------------------------------ figures
