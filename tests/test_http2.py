@@ -640,6 +640,28 @@ def test_dynamic_table_references_resolved_or_counted_never_guessed(h2agent: Age
     }
 
 
+def test_a_header_block_larger_than_the_copy_window(h2agent: Agent) -> None:
+    """A 12 KiB cookie before the traceparent, in one HEADERS frame and one read: the kernel
+    walks it window by window (the value skipped by count, never copied) and finds the
+    traceparent after it."""
+    port = h2agent.take_port()
+    tp, tid, parent = new_traceparent()
+    cookie = COOKIE.encode() + b"x" * 12288
+    block = (
+        indexed(3) + lit(4, b"/a.B/Big") + lit(b"cookie", cookie) + lit(b"traceparent", tp.encode())
+    )
+    c = Scripted(port)
+    try:
+        c.client(PREFACE + SETTINGS + frame(HEADERS, END_HEADERS | END_STREAM, 1, block))
+        c.server(SETTINGS + response(1))
+        (span,) = _server_spans(h2agent, port, 1)
+    finally:
+        c.close()
+    assert (span.trace_id, span.parent_span_id) == (tid, parent)
+    assert span.attributes["url.path"] == "/a.B/Big"
+    _no_secret_anywhere([span])
+
+
 def test_huffman_path_query_never_leaves_the_kernel(
     h2agent: Agent, monkeypatch: pytest.MonkeyPatch
 ) -> None:
