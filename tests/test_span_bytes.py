@@ -114,9 +114,23 @@ def records() -> list[tuple[str, HttpRecord]]:
     r = record(TP)
     r.ws_flags = 0
     out.append(("reader counters not taken", r))
-    r = record(TP, path=b"/tj.Echo/Say")  # an HTTP/2 gRPC stream: the object path, mixed in
-    r.h2_flags, r.grpc_status = R.H2F_STREAM | R.H2F_RST, 14
-    out.append(("http2 grpc stream", r))
+    # HTTP/2 streams: gRPC status codes (a server error, a client's, OK), a REST path, each way a
+    # stream ends early, an unresolved field
+    for name, path, h2_flags, grpc_status, status in (
+        ("grpc reset, UNAVAILABLE", b"/tj.Echo/Say", R.H2F_RST, 14, 200),
+        ("grpc OK", b"/tj.Echo/Say", 0, 1, 200),
+        ("grpc INTERNAL", b"/pkg.v1.Svc/Get", 0, 14, 200),
+        ("grpc NOT_FOUND", b"/pkg.v1.Svc/Get", 0, 6, 200),
+        ("grpc status, not a gRPC path", b"/a/b/c", 0, 1, 200),
+        ("REST", b"/v1/items/42", 0, 0, 404),
+        ("reset, no grpc-status", b"/tj.Echo/Say", R.H2F_RST, 0, 0),
+        ("goaway", b"/v1/items", R.H2F_GOAWAY, 0, 0),
+        ("framing lost, unresolved", b"/v1/items", R.H2F_LOST | R.H2F_UNRESOLVED, 0, 200),
+        ("closed, 503", b"/v1/items", R.H2F_CLOSED, 0, 503),
+    ):
+        r = record(TP, path=path, status=status)
+        r.h2_flags, r.grpc_status, r.seq = R.H2F_STREAM | h2_flags, grpc_status, 7
+        out.append((f"http2 {name}", r))
     for shared in (False, True):
         r = record(TP)
         _workset(r, shared)
@@ -168,8 +182,8 @@ def test_encoded_spans_equal_the_object_path(rec, variant, signals, tlb):
     reference = build_spans(e, opts, _ids(13))
     fast = encode_spans(e, opts, _ids(13))
 
-    # HTTP/2 streams and children keep the object path
-    assert isinstance(fast[0], EncodedSpan) or rec.h2_flags & R.H2F_STREAM
+    # the server span as bytes (HTTP/2 streams too); children keep the object path
+    assert isinstance(fast[0], EncodedSpan)
     assert all(isinstance(s, Span) for s in fast[1:])
     assert len(fast) == len(reference)
     assert encode_request_bytes(fast) == encode_request_bytes(reference)
@@ -207,6 +221,10 @@ def test_the_variety_covers_children_and_every_attribute_family():
         "tracejoin.instrumented.source",
         "tracejoin.http.response_unframed",
         "tracejoin.http.path_truncated",
+        "rpc.service",
+        "rpc.grpc.status_code",
+        "tracejoin.http2.ended_by",
+        "tracejoin.http2.field_unresolved",
     ):
         assert key in keys, key
 

@@ -10,9 +10,9 @@ records and compares the parsed requests, so the attribute order here follows bu
 line by line; a change to one must be made to the other.
 
 Child spans (a long receive-queue wait, run-queue waits, work-set helpers, CUDA waits) keep the
-object path: they are rare and their parent only lends its ids. So do HTTP/2 streams (their
-rpc.* and http2 attributes and gRPC status rules live in build_spans only): the OTLP encoder
-takes a batch that mixes both.
+object path: they are rare and their parent only lends its ids; the OTLP encoder takes a batch
+that mixes both. HTTP/2 streams take this path too, with build_spans' own helpers for what is
+decided rather than copied (h2_call, server_status).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from tracejoin.core.model import (
     KIND_INTERNAL,
     KIND_SERVER,
-    STATUS_ERROR,
+    STATUS_UNSET,
     EncodedSpan,
     Span,
 )
@@ -44,12 +44,11 @@ from tracejoin.core.otlp_wire import (
     utf8,
     varint,
 )
-from tracejoin.core.record import H2F_STREAM, WSF_CAP, WSF_NO_GAP, WSF_STATS
+from tracejoin.core.record import H2F_STREAM, H2F_UNRESOLVED, WSF_CAP, WSF_NO_GAP, WSF_STATS
 from tracejoin.core.text import http_method, url_path
 from tracejoin.enrich.enricher import EnrichedRecord
 from tracejoin.kernel.decode import (
     REQF_FIRST_ON_CONN,
-    REQF_NO_RESPONSE,
     REQF_PATH_TRUNC,
     REQF_RESP_UNTERM,
 )
@@ -63,13 +62,15 @@ from tracejoin.pipeline.spans import (
     SpanOptions,
     _cuda,
     _cuda_attributes,
+    _h2_ended_by,
     _shared_work_attributes,
     _tlb_names,
     _tracked,
-    build_spans,
     child_spans,
+    h2_call,
     http_span_name,
     needs_children,
+    server_status,
 )
 
 IntWriter = Callable[[int], bytes]
@@ -169,24 +170,42 @@ _WS_UNEXPLAINED = _int_writer("tracejoin.work.unexplained_wait_ns")
 _WS_REFUSED = _int_writer("tracejoin.work.threads_refused")
 _WS_UNSLOTTED = _int_writer("tracejoin.work.helpers_without_span")
 _UNFRAMED = _fixed("tracejoin.http.response_unframed", True)
+_H2 = _fixed("network.protocol.version", "2")
+_H2_STREAM = _int_writer("tracejoin.http2.stream_id")
+_H2_ENDED = _str_writer("tracejoin.http2.ended_by")
+_H2_UNRESOLVED = _fixed("tracejoin.http2.field_unresolved", True)
+_RPC_GRPC = _fixed("rpc.system", "grpc")
+_GRPC_CODE = _int_writer("rpc.grpc.status_code")
+_RPC_SERVICE = _str_writer("rpc.service")
+_RPC_METHOD = _str_writer("rpc.method")
 _tlb_writers: dict[str, IntWriter] = {}
 
 _KIND = {k: T_SPAN_KIND + V1[k] for k in (KIND_SERVER, KIND_INTERNAL)}
-_NO_RESPONSE = ld(T_SPAN_STATUS, status_body(STATUS_ERROR, "connection closed before a response"))
-_SERVER_ERROR = ld(T_SPAN_STATUS, status_body(STATUS_ERROR, ""))
 
 _names: dict[tuple[str, str, bool], bytes] = {}  # (method, path, instrumented) -> name field
+_statuses: dict[tuple[int, str], bytes] = {}  # server_status() -> status field (few messages)
 
 
 def _name_field(method: str, path: str, instrumented: bool) -> bytes:
+    """The span's name field: http_span_name's, or (method "", a gRPC call) service/method."""
     got = _names.get((method, path, instrumented))
     if got is None:
-        name = http_span_name(method, path)
+        name = http_span_name(method, path) if method else path
         b = utf8(f"{name}{KERNEL_SUFFIX}" if instrumented else name)
         got = T_SPAN_NAME + varint(len(b)) + b
         if len(_names) >= _CACHE_MAX:
             _names.clear()
         _names[(method, path, instrumented)] = got
+    return got
+
+
+def _status_field(status: tuple[int, str]) -> bytes:
+    got = _statuses.get(status)
+    if got is None:
+        got = b"" if status == (STATUS_UNSET, "") else ld(T_SPAN_STATUS, status_body(*status))
+        if len(_statuses) >= _CACHE_MAX:
+            _statuses.clear()
+        _statuses[status] = got
     return got
 
 
@@ -203,13 +222,14 @@ def encode_spans(
     """What build_spans(e, opts, new_id) makes, with the server span as bytes (same ids drawn
     from new_id in the same order, same attributes in the same order)."""
     rec = e.rec
-    if rec.h2_flags & H2F_STREAM:
-        return list(build_spans(e, opts, new_id))
     on = opts.signals
     method, method_original = http_method(rec.method_bytes())
     path = url_path(rec.path_bytes())
     flags = rec.flags
     instrumented = bool(e.instrumented)
+    h2_flags = rec.h2_flags
+    h2 = h2_flags & H2F_STREAM
+    grpc_code, call = h2_call(rec, path) if h2 else (None, None)
     span_id = new_id(64)
     # each ctypes field read makes a new int: read the times once (EnrichedRecord's
     # start_mono_ns/end_mono_ns, inline)
@@ -224,7 +244,9 @@ def encode_spans(
             max(rec.end_ns, read_ns) + off,
             e.trace_flags,
         ),
-        _name_field(method, path, instrumented),
+        _name_field(method, path, instrumented)
+        if call is None
+        else _name_field("", f"{call[0]}/{call[1]}", instrumented),
         _KIND[KIND_INTERNAL if instrumented else KIND_SERVER],
         _METHOD(method),
         _PATH(path),
@@ -240,6 +262,17 @@ def encode_spans(
     status = rec.status
     if status:
         p.append(_STATUS_CODE(status))
+    if h2:  # build_spans' HTTP/2 block, in its order
+        p += (_H2, _H2_STREAM(rec.seq))
+        ended_by = _h2_ended_by(h2_flags)
+        if ended_by:
+            p.append(_H2_ENDED(ended_by))
+        if h2_flags & H2F_UNRESOLVED:
+            p.append(_H2_UNRESOLVED)
+        if grpc_code is not None:
+            p += (_RPC_GRPC, _GRPC_CODE(grpc_code))
+        if call is not None:
+            p += (_RPC_SERVICE(call[0]), _RPC_METHOD(call[1]))
     ep = e.endpoints
     if ep is not None:
         p += (
@@ -310,10 +343,7 @@ def encode_spans(
         p.append(_UNFRAMED)
     if e.gpu:  # tracejoin.gpu.*: no name above, so appending keeps build_spans' dict order
         append_attributes(p, T_SPAN_ATTR, e.gpu)
-    if flags & REQF_NO_RESPONSE:
-        p.append(_NO_RESPONSE)
-    elif status >= 500:
-        p.append(_SERVER_ERROR)
+    p.append(_status_field(server_status(rec, bool(h2), grpc_code)))
     out: list[Span | EncodedSpan] = [EncodedSpan(e.resource, b"".join(p))]
     if needs_children(rec, opts):
         # the children's parent: only its ids, resource and flags are read

@@ -105,6 +105,27 @@ def grpc_call(path: str) -> tuple[str, str] | None:
     return parts[1], parts[2]
 
 
+def h2_call(rec: HttpRecord, path: str) -> tuple[int | None, tuple[str, str] | None]:
+    """An HTTP/2 stream's gRPC status code (when its trailers carried grpc-status) and, then,
+    its (rpc.service, rpc.method) when the path is a gRPC one."""
+    grpc_code = rec.grpc_status - 1 if rec.grpc_status else None
+    return grpc_code, grpc_call(path) if grpc_code is not None else None
+
+
+def server_status(rec: HttpRecord, h2: bool, grpc_code: int | None) -> tuple[int, str]:
+    """The server span's status and message: an error for no response, a 5xx, a gRPC code a
+    server reports as its own error (OTel RPC conventions), or a stream reset or refused."""
+    if rec.flags & REQF_NO_RESPONSE:
+        return STATUS_ERROR, "connection closed before a response"
+    if rec.status >= 500:
+        return STATUS_ERROR, ""
+    if grpc_code is not None and grpc_code in GRPC_SERVER_ERRORS:
+        return STATUS_ERROR, GRPC_CODE_NAMES[grpc_code]
+    if h2 and grpc_code is None and rec.h2_flags & (H2F_RST | H2F_GOAWAY):
+        return STATUS_ERROR, f"stream ended by {_h2_ended_by(rec.h2_flags)}"
+    return STATUS_UNSET, ""
+
+
 def _h2_ended_by(flags: int) -> str | None:
     """How an HTTP/2 stream ended when not by the server's END_STREAM."""
     for bit, name in (
@@ -189,7 +210,7 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
         attrs["http.response.status_code"] = rec.status
     h2 = bool(rec.h2_flags & H2F_STREAM)
     name = http_span_name(method, path)
-    grpc_code = rec.grpc_status - 1 if h2 and rec.grpc_status else None
+    grpc_code, call = h2_call(rec, path) if h2 else (None, None)
     if h2:
         attrs["network.protocol.version"] = "2"
         attrs["tracejoin.http2.stream_id"] = rec.seq
@@ -198,7 +219,6 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
             attrs["tracejoin.http2.ended_by"] = ended_by
         if rec.h2_flags & H2F_UNRESOLVED:
             attrs["tracejoin.http2.field_unresolved"] = True
-        call = grpc_call(path) if grpc_code is not None else None
         if grpc_code is not None:
             attrs["rpc.system"] = "grpc"
             attrs["rpc.grpc.status_code"] = grpc_code
@@ -257,17 +277,7 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
         attrs["tracejoin.http.response_unframed"] = True
     attrs.update(e.gpu)
 
-    status, message = STATUS_UNSET, ""
-    if rec.flags & REQF_NO_RESPONSE:
-        status, message = STATUS_ERROR, "connection closed before a response"
-    elif rec.status >= 500:
-        status = STATUS_ERROR
-    elif grpc_code is not None and grpc_code in GRPC_SERVER_ERRORS:
-        status = STATUS_ERROR
-        message = GRPC_CODE_NAMES[grpc_code]
-    elif h2 and grpc_code is None and rec.h2_flags & (H2F_RST | H2F_GOAWAY):
-        status, message = STATUS_ERROR, f"stream ended by {_h2_ended_by(rec.h2_flags)}"
-
+    status, message = server_status(rec, h2, grpc_code)
     server = Span(
         trace_id=e.trace_id,
         span_id=new_id(64),
