@@ -6,7 +6,9 @@ kernel's decoder):
     sudo python -m bench.h2c             # ~2 min
     sudo python -m bench.h2c --quick     # ~1 min
 
-Phases: off, on, on, off, off (the real `tracejoin run`, spans to OTLP-JSON on tmpfs): the
+Phases: off, on, on, off, off (the real `tracejoin run`, spans over OTLP/HTTP protobuf to
+bench/otlp_sink.py on the client's CPU, as bench/run.py's rows; `--destination file`: OTLP-JSON
+on tmpfs, which takes the object path, not the direct encoder): the
 agent starts once (its BCC compile takes most of a minute); "on" is compared with the mean of
 the "off" phases before and after it. Server pinned to CPU1, client and agent to CPU0,
 as bench/run.py pins its HTTP/1.x rows. Reports requests/s, p50/p99 latency, records and
@@ -20,6 +22,7 @@ clock reads to every program run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import shutil
 import subprocess
@@ -58,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--destination", choices=("otlp", "file"), default="otlp")
     ap.add_argument(
         "--cpu-budget", type=float, default=None, help="the agent's --cpu-budget (default: its own)"
     )
@@ -71,14 +75,17 @@ def main(argv: list[str] | None = None) -> int:
     srv = subprocess.Popen(
         m.pinned([str(exe), "server", str(port)], 1), stdout=subprocess.PIPE, text=True
     )
-    try:
+    with contextlib.ExitStack() as stack:
         assert srv.stdout is not None and "ready" in srv.stdout.readline()
+        stack.callback(srv.wait)
+        stack.callback(srv.kill)
+        sink = stack.enter_context(m.otlp_sink(0)) if args.destination == "otlp" else None
         load(exe, port, 1.0, args.concurrency)  # warm-up
         phases: list[tuple[str, dict[str, float]]] = [
             ("off", load(exe, port, seconds, args.concurrency))
         ]
         budget = [] if args.cpu_budget is None else ["--cpu-budget", f"{args.cpu_budget:g}"]
-        agent = m.AgentRun(ports=[port], cpu=0, extra_args=budget)
+        agent = m.AgentRun(ports=[port], cpu=0, sink_port=sink, extra_args=budget)
         agent.start()
         stats = m.BpfStatsSwitch()
         progs: list[dict] = []
@@ -94,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
                 on["records_per_request"] = d.get("kernel_records_submitted", 0) / n
                 on["shed_per_request"] = d.get("kernel_sampled_out_budget", 0) / n
                 on.update({k: v for k, v in d.items() if k.startswith("kernel_h2_") and v})
-                on["agent_cpu_us_per_request"] = round((sum(c1) - sum(c0)) * 1e6 / n, 1)
+                cpu_us = (sum(c1) - sum(c0)) * 1e6
+                on["agent_cpu_us_per_request"] = round(cpu_us / n, 1)
+                on["agent_cpu_us_per_record"] = round(
+                    cpu_us / max(1, d.get("records_received", 0)), 1
+                )
                 table = m.bpf_table(p0, p1, int(n))
                 on["bpf_us_per_request"] = round(table["ns_per_request"] / 1000, 1)
                 progs = table["programs"]
@@ -104,13 +115,13 @@ def main(argv: list[str] | None = None) -> int:
             agent.stop()
         for _ in range(2):
             phases.append(("off", load(exe, port, seconds, args.concurrency)))
-    finally:
-        srv.kill()
-        srv.wait()
     offs = [p for k, p in phases if k == "off"]
     ons = [p for k, p in phases if k == "on"]
     mean = lambda xs, key: sum(x[key] for x in xs) / len(xs)  # noqa: E731
-    print(f"h2c, {args.concurrency} streams on one connection, {seconds:.0f} s phases")
+    print(
+        f"h2c, {args.concurrency} streams on one connection, {seconds:.0f} s phases,"
+        f" spans to {args.destination}"
+    )
     row = "  {:<3} {:>9.0f} req/s  p50 {:>6.0f} us  p99 {:>6.0f} us{}"
     for kind, p in phases:
         shown = {
