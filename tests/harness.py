@@ -36,16 +36,37 @@ GOSERVER_SRC = HERE / "servers" / "goserver"
 CACHE = Path(os.environ.get("TRACEJOIN_CACHE", "/var/cache/tracejoin"))
 
 
+def _listen_port_range() -> range:
+    """Ports outside the kernel's ephemeral range (net.ipv4.ip_local_port_range): a port handed
+    out here is bound by a test server later, sometimes minutes later, and a client connection
+    made in the meantime must not have taken it as its local port (EADDRINUSE)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999
+    return range(10000, lo) if lo > 12000 else range(hi + 1, 65536)
+
+
+_handed_out: set[int] = set()  # never the same port twice in one test session
+
+
 def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    """n ports nothing listens on now, outside the ephemeral range and not handed out before."""
+    ports: list[int] = []
+    candidates = [p for p in _listen_port_range() if p not in _handed_out]
+    random.shuffle(candidates)
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        _handed_out.add(port)
+        if len(ports) == n:
+            return ports
+    raise RuntimeError(f"no {n} free ports outside the ephemeral range")
 
 
 def new_traceparent(sampled: bool = True) -> tuple[str, int, int]:
