@@ -80,6 +80,19 @@ def test_parse_result_takes_the_last_json_line_of_a_serial_port() -> None:
     assert "error" in run.parse_result("")
 
 
+def test_only_a_root_disk_the_host_failed_to_write_boots_again(tmp_path: Path) -> None:
+    log = tmp_path / "console.log"
+    log.write_text(
+        "nvme0n1: I/O Cmd(0x1) @ LBA 65538, 2 blocks, I/O Error (sct 0x2 / sc 0x80)\n"
+        "Kernel panic - not syncing: VFS: Unable to mount root fs on unknown-block(259,1)\n"
+    )
+    res = {"error": "no result from the guest (see its console log)", "console_log": str(log)}
+    assert run.host_io_failed(res)
+    log.write_text("BUG: kernel NULL pointer dereference\n")
+    assert not run.host_io_failed(res)
+    assert not run.host_io_failed({"checks": [], "console_log": str(log)})
+
+
 def test_table_has_a_row_per_kernel_with_signals_and_features() -> None:
     r = _result(
         True,
