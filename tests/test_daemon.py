@@ -461,7 +461,11 @@ def test_run_end_to_end(bpftool: None, jaeger: Jaeger, tmp_path: Path) -> None:
             assert fam["tracejoin_records_dropped_userspace_total"].total() == 0
             assert fam["tracejoin_spans_dropped_total"].total() == 0
             assert fam["tracejoin_export_failures_total"].get(exporter="otlp") == 0
-            assert fam["tracejoin_k8s_resolved_total"].total() == 1  # one served process
+            # one served process, on a host: its resource is built once, or once more when what
+            # is learnt of it later changes it (e.g. its inspection, a bounded wait a loaded CI
+            # machine can outlast, landing after the first build: seen once, 2 builds)
+            resolved = fam["tracejoin_k8s_resolved_total"]
+            assert 1 <= resolved.get(result="host") == resolved.total() <= 2
             # probes and their mode; GPU sampler status; every family documented
             modes = {
                 dict(k).get("signal"): v for k, v in fam["tracejoin_probe_mode"].samples.items()
