@@ -343,7 +343,7 @@ def encode_spans(
         p.append(_UNFRAMED)
     if e.gpu:  # tracejoin.gpu.*: no name above, so appending keeps build_spans' dict order
         append_attributes(p, T_SPAN_ATTR, e.gpu)
-    p.append(_status_field(server_status(rec, bool(h2), grpc_code)))
+    p.append(_status_field(server_status(rec, grpc_code)))
     out: list[Span | EncodedSpan] = [EncodedSpan(e.resource, b"".join(p))]
     if needs_children(rec, opts):
         # the children's parent: only its ids, resource and flags are read

@@ -112,7 +112,7 @@ def h2_call(rec: HttpRecord, path: str) -> tuple[int | None, tuple[str, str] | N
     return grpc_code, grpc_call(path) if grpc_code is not None else None
 
 
-def server_status(rec: HttpRecord, h2: bool, grpc_code: int | None) -> tuple[int, str]:
+def server_status(rec: HttpRecord, grpc_code: int | None) -> tuple[int, str]:
     """The server span's status and message: an error for no response, a 5xx, a gRPC code a
     server reports as its own error (OTel RPC conventions), or a stream reset or refused."""
     if rec.flags & REQF_NO_RESPONSE:
@@ -121,7 +121,7 @@ def server_status(rec: HttpRecord, h2: bool, grpc_code: int | None) -> tuple[int
         return STATUS_ERROR, ""
     if grpc_code is not None and grpc_code in GRPC_SERVER_ERRORS:
         return STATUS_ERROR, GRPC_CODE_NAMES[grpc_code]
-    if h2 and grpc_code is None and rec.h2_flags & (H2F_RST | H2F_GOAWAY):
+    if grpc_code is None and rec.h2_flags & (H2F_RST | H2F_GOAWAY):  # 0 for HTTP/1.x
         return STATUS_ERROR, f"stream ended by {_h2_ended_by(rec.h2_flags)}"
     return STATUS_UNSET, ""
 
@@ -277,7 +277,7 @@ def build_spans(e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], in
         attrs["tracejoin.http.response_unframed"] = True
     attrs.update(e.gpu)
 
-    status, message = server_status(rec, h2, grpc_code)
+    status, message = server_status(rec, grpc_code)
     server = Span(
         trace_id=e.trace_id,
         span_id=new_id(64),
