@@ -51,7 +51,7 @@ DEFAULT_SPANS_FILE = Path("tracejoin-spans.otlp.jsonl")
 # ----------------------------------------------------------------------------- settings -> parts
 
 
-def probe_config(s: Settings) -> ProbeConfig:
+def probe_config(s: Settings, *, http2_after_ready: bool = False) -> ProbeConfig:
     unknown = [tp for tp in s.disable_tracepoint if tp not in OPTIONAL_TRACEPOINTS]
     if unknown:
         raise ConfigError(
@@ -68,6 +68,7 @@ def probe_config(s: Settings) -> ProbeConfig:
         cuda=s.cuda,
         cuda_launches=s.cuda_launches,
         cuda_sync_threshold_ns=int(s.cuda_sync_threshold_ms * 1e6),
+        http2_after_ready=http2_after_ready,
     )
 
 
@@ -373,8 +374,10 @@ def build_agent(
     source: RecordSource | None = None,
     gpu_sampler: Any = None,
     observers: Sequence[Observer] = (),
+    http2_after_ready: bool = False,
 ) -> Agent:
-    """Everything that can be checked before the probes load is checked here (ConfigError)."""
+    """Everything that can be checked before the probes load is checked here (ConfigError).
+    http2_after_ready: `tracejoin run` is ready before the HTTP/2 programs are verified."""
     try:
         env_resource_attributes()  # a bad OTEL_RESOURCE_ATTRIBUTES fails now, naming it
     except ValueError as exc:
@@ -404,7 +407,7 @@ def build_agent(
         )
 
     if source is None:
-        source = HttpProbes(probe_config(s), metrics)
+        source = HttpProbes(probe_config(s, http2_after_ready=http2_after_ready), metrics)
     return Agent(
         s,
         metrics,

@@ -3,6 +3,7 @@
     sudo .venv/bin/python -m bench.startup [--runs 3]          # the steps, in one process
     sudo .venv/bin/python -m bench.startup --agent [--runs 3]  # `tracejoin run` starts
     sudo .venv/bin/python -m bench.startup --verify [--runs 3] # tail-call loads, 1 by 1 or not
+    sudo .venv/bin/python -m bench.startup --agent-http2 [--runs 3]  # ready before/after HTTP/2
 
 Each run is a fresh interpreter (a child of this one) that does what HttpProbes.start() does,
 timing each step and reading /proc/self/status after it: VmHWM (peak RSS so far), RssAnon,
@@ -113,14 +114,15 @@ def one_run() -> list[tuple[str, float, dict[str, int]]]:
     return [(str(step), float(secs), dict(st)) for step, secs, st in rows]
 
 
-# `tracejoin run` itself; with no-trim, the same code with the two releases switched off
+# `tracejoin run` itself; with no-trim, the same code with the two releases switched off; any
+# further arguments are tracejoin run's
 _AGENT = r"""
 import sys
 if sys.argv[1] == "no-trim":
     import tracejoin.kernel.probes as p
     p.release_freed_heap = p.release_compiler_code = lambda: 0
 from tracejoin.commands.cli import main
-sys.argv = ["tracejoin", "run", "--spans-file", "/dev/null", "--metrics-port", "0"]
+sys.argv = ["tracejoin", "run", "--spans-file", "/dev/null", "--metrics-port", "0", *sys.argv[2:]]
 main()
 """
 
@@ -191,15 +193,16 @@ def _status_mb(pid: int) -> dict[str, int]:
     return out
 
 
-def agent_start(trim: bool) -> tuple[float, dict[str, int]]:
-    """Seconds from exec to the `ready:` log line of `tracejoin run`, and its memory 2 s
-    after ready (VmHWM is the peak so far)."""
+def agent_start(trim: bool, *flags: str) -> tuple[float, dict[str, int], float]:
+    """Seconds from exec to the `ready:` log line of `tracejoin run`, its memory 2 s after
+    ready (VmHWM is the peak so far), and seconds from exec to HTTP/2 on (its `http2 on` log
+    line, or ready when ready waited for it)."""
     import signal
     import time
 
     t0 = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-c", _AGENT, "trim" if trim else "no-trim"],
+        [sys.executable, "-c", _AGENT, "trim" if trim else "no-trim", *flags],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
@@ -212,8 +215,14 @@ def agent_start(trim: bool) -> tuple[float, dict[str, int]]:
                 break
         else:
             sys.exit("tracejoin run exited before it was ready")
+        http2 = ready
+        if "'http2': 'loading'" in line:
+            for line in proc.stderr:
+                if "http2 on" in line or "http2 off" in line:
+                    http2 = time.monotonic() - t0
+                    break
         time.sleep(2)
-        return ready, _status_mb(proc.pid)
+        return ready, _status_mb(proc.pid), http2
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
@@ -228,7 +237,21 @@ def main() -> None:
     ap.add_argument(
         "--verify", action="store_true", help="tail-call loads: sequential vs concurrent"
     )
+    ap.add_argument(
+        "--agent-http2",
+        action="store_true",
+        help="time `tracejoin run` starts: HTTP/2 verified after ready (default) vs before",
+    )
     args = ap.parse_args()
+    if args.agent_http2:
+        print("| tracejoin run | exec -> ready, s | exec -> HTTP/2 on, s | VmHWM |")
+        print("|---|---:|---:|---:|")
+        for _ in range(args.runs):  # alternating, so that drift in load hits both alike
+            for flags in ((), ("--http2-before-ready",)):
+                secs, st, h2 = agent_start(True, *flags)
+                label = " ".join(flags) or "(default: HTTP/2 after ready)"
+                print(f"| {label} | {secs:.2f} | {h2:.2f} | {st['VmHWM']} |", flush=True)
+        return
     if args.verify:
         verify_split(args.runs)
         return
@@ -237,7 +260,7 @@ def main() -> None:
         print("|---|---:|---:|---:|---:|")
         for trim in (False, True):
             for _ in range(args.runs):
-                secs, st = agent_start(trim)
+                secs, st, _ = agent_start(trim)
                 label = "heap and code released" if trim else "without the releases"
                 print(
                     f"| {label} | {secs:.2f} | {st['VmHWM']} | {st['RssAnon']} | {st['RssFile']} |"

@@ -146,6 +146,15 @@ static __always_inline void h2_start(struct conn *c, u64 sk, u8 preface, u8 upgr
     c->flags |= CONN_H2;
 }
 
+/* A tail call into PROG_H2_RD/WR returned: the HTTP/2 programs are not loaded (the agent
+ * verifies them after it is ready, or they failed to load). The bytes this call held are then
+ * unscanned, so the connection's framing is unknown for good: ignore it, never guess. */
+static __always_inline void h2_not_loaded(struct conn *c)
+{
+    c->flags |= CONN_IGNORED;
+    count(CNT_H2_NOT_LOADED);
+}
+
 /* End every open stream of e->sk (why: H2F_*) in PROG_H2_END; nothing is resumed after. */
 static __always_inline void h2_flush(void *ctx, struct h2end *e, u16 why)
 {

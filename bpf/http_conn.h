@@ -475,6 +475,8 @@ TRACEPOINT_PROBE(sock, sock_recv_length)
     c->arrival_ns = 0;
     p->live = 0;
     progs.call(args, (c->flags & CONN_H2) ? PROG_H2_RD : PROG_SCAN_REQ);
+    if (c->flags & CONN_H2)
+        h2_not_loaded(c);
     return 0;
 }
 
@@ -510,5 +512,7 @@ TRACEPOINT_PROBE(sock, sock_send_length)
     if (p->kind != IO_NONE)
         p->live = 0;
     progs.call(args, h2 ? PROG_H2_WR : PROG_SCAN_RESP);
+    if (h2)
+        h2_not_loaded(c);
     return 0;
 }

@@ -295,6 +295,8 @@ struct policy {
 #define CNT_H2_MALFORMED        43 /* streams not emitted: their request had no :method or no :path */
 #define CNT_H2_FIELD_UNRESOLVED 44 /* streams not emitted: a field was unresolved (38, 39) and the
                                     * traceparent, :method or :path it may have been is missing */
+#define CNT_H2_NOT_LOADED       45 /* connections that turned HTTP/2 while its programs were not
+                                    * loaded (the seconds after ready, or a failed load): ignored */
 #define CNT_CUDA_UNATTRIBUTED   46 /* probed CUDA calls by a thread in no open work set */
 #define CNT_CUDA_NESTED         47 /* probed calls beneath another (runtime over driver): not
                                     * counted again */

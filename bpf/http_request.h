@@ -423,6 +423,7 @@ out:
         return 0;
     if (c->flags & CONN_H2) {
         progs.call(ctx, PROG_H2_RD);            /* HTTP/2 from the preface on */
+        h2_not_loaded(c);
         return 0;
     }
     if (r == STEP_STOP || s->off >= s->total)

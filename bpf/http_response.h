@@ -194,6 +194,7 @@ int scan_resp(void *ctx)
              * over 250k more instructions processed, past the 1M limit. */
             c->flags = (c->flags & ~CONN_IGNORED) | CONN_H2 | CONN_H2_NEW;
             progs.call(ctx, PROG_H2_WR);
+            h2_not_loaded(c);
             return 0;
         }
     } else if (r == STEP_BAD) {

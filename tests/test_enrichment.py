@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from harness import new_traceparent, raw_request, server
@@ -141,6 +142,13 @@ def lossy_link(request):
     subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+def _host_retrans_segs() -> int:
+    """Tcp RetransSegs of the host's network namespace (the server's side of the veth)."""
+    text = Path("/proc/net/snmp").read_text().splitlines()
+    lines = [line.split() for line in text if line.startswith("Tcp:")]
+    return int(lines[1][lines[0].index("RetransSegs")])
+
+
 def _fetch_in_ns(ns: str, port: int, tp: str) -> None:
     subprocess.run(
         [
@@ -172,8 +180,10 @@ def test_retransmissions_appear_on_the_affected_span(agent, lossy_link):
     port = agent.take_port()
     with server("threaded", port, env={"BIND": "10.199.0.1"}):
         tp, clean_id, _ = new_traceparent()
+        before = _host_retrans_segs()
         _fetch_in_ns(ns, port, tp)
         (clean,) = agent.server_spans(clean_id)
+        host_retrans_during_clean = _host_retrans_segs() - before
         dropper = subprocess.Popen(
             [
                 "ip",
@@ -198,7 +208,10 @@ def test_retransmissions_appear_on_the_affected_span(agent, lossy_link):
         finally:
             dropper.terminate()
             dropper.wait(timeout=10)
-    assert clean.attributes["tracejoin.tcp.retransmits"] == 0
+    # A clean link can still retransmit: on a loaded 2-CPU runner a delayed ACK fires a tail
+    # loss probe, a real retransmission (seen once in CI). The clean span may count no more than
+    # the host's own counter saw while it ran, so 0 whenever the host sent none.
+    assert clean.attributes["tracejoin.tcp.retransmits"] <= host_retrans_during_clean
     assert lossy.attributes["tracejoin.tcp.retransmits"] > 0
     assert lossy.attributes["http.response.size"] >= 2048 * 1024
     assert lossy.attributes.get("tracejoin.tcp.unacked_max_bytes", 0) > 0

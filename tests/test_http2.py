@@ -794,6 +794,82 @@ def test_http1_on_the_same_port_still_works(h2agent: Agent) -> None:
     assert "network.protocol.version" not in spans[0].attributes
 
 
+def test_http2_programs_verified_after_ready(privileged: None, monkeypatch) -> None:
+    """`tracejoin run` is ready before the HTTP/2 programs are verified: a connection that
+    turns HTTP/2 meanwhile is counted and ignored for good (its bytes so far went unscanned, so
+    its framing is unknown: never half-scanned, never a guessed stream), and one that opens
+    once they are in is traced."""
+    import threading
+
+    from tracejoin.kernel.probes import HttpProbes, ProbeConfig
+
+    gate = threading.Event()  # holds the loader until the early connection has spoken
+    load = HttpProbes._load_http2
+
+    def gated(self: HttpProbes, bpf: object) -> None:
+        gate.wait(120)
+        load(self, bpf)
+
+    monkeypatch.setattr(HttpProbes, "_load_http2", gated)
+    ports = free_ports(2)
+    a = Agent(ports, None, probe_config=ProbeConfig(ports=tuple(ports), http2_after_ready=True))
+    a.start()
+    early_port, late_port = a.take_port(), a.take_port()
+    early = late = None
+    try:
+        status = a.source.status
+        assert status.signals["http2"] == "loading"
+        assert a.metrics.get("probe_mode", signal="http2") == 0
+        early = Scripted(early_port)
+        early.client(PREFACE + SETTINGS)
+        early.server(SETTINGS)
+        tp1, tid1, _ = new_traceparent()
+        early.client(
+            frame(HEADERS, END_HEADERS | END_STREAM, 1, request_block(b"/e.A/One", tp1.encode()))
+        )
+        early.server(response(1))
+        assert kernel_counter(a, "h2_not_loaded") == 1
+
+        gate.set()
+        deadline = time.monotonic() + 120
+        while status.signals["http2"] == "loading" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert status.signals["http2"] == "on" and status.http2_load_seconds > 0
+        assert a.metrics.get("probe_mode", signal="http2") == 1
+
+        # the early connection goes on after the load: still ignored
+        tp3, tid3, _ = new_traceparent()
+        early.client(
+            frame(HEADERS, END_HEADERS | END_STREAM, 3, request_block(b"/e.A/Two", tp3.encode()))
+        )
+        early.server(response(3))
+        late = Scripted(late_port)
+        late.client(PREFACE + SETTINGS)
+        late.server(SETTINGS)
+        tp, tid, parent = new_traceparent()
+        late.client(
+            frame(HEADERS, END_HEADERS | END_STREAM, 1, request_block(b"/l.A/One", tp.encode()))
+        )
+        late.server(response(1))
+        spans = _server_spans(a, late_port, 1)
+        # the early connection's records, had there been any, were read before the late one's
+        early_spans = [s for s in a.spans() if s.attributes.get("server.port") == early_port]
+        assert kernel_counter(a, "h2_not_loaded") == 1
+    finally:
+        gate.set()
+        for c in (early, late):
+            if c is not None:
+                c.close()
+        loader = a.source._h2_loader
+        if loader is not None:
+            loader.join(120)
+        a.shutdown()
+    assert [(s.trace_id, s.parent_span_id) for s in spans] == [(tid, parent)]
+    assert spans[0].attributes["url.path"] == "/l.A/One"
+    assert early_spans == []
+    assert {tid1, tid3}.isdisjoint(s.trace_id for s in a.spans())
+
+
 def goh2c_binary() -> Path:
     """tests/servers/goh2c (golang.org/x/net/http2 via the Go module proxy), built once and
     cached by the hash of its sources."""

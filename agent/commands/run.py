@@ -73,7 +73,7 @@ def run_daemon(s: Settings, spans_file: Path | None) -> int:
     metrics = Metrics()
     destinations = run_destinations(s, metrics, spans_file)
     metrics.set("build_info", 1, version=__version__)
-    agent = build_agent(s, metrics, destinations)
+    agent = build_agent(s, metrics, destinations, http2_after_ready=not s.http2_before_ready)
 
     health = None
     if s.metrics_port:

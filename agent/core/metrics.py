@@ -104,6 +104,7 @@ PROBE_SIGNALS = (  # tracejoin.kernel.probes: OPTIONAL_SIGNALS, page_faults, tlb
     "tlb_off",
     "cuda",  # opt-in (--cuda, --cuda-launches): reported only when asked for
     "cuda_launches",
+    "http2",  # HTTP/2 (bpf/http2_scan.h): 0 while its programs load after ready
 )
 SERVICE_NAME_SOURCES = (  # tracejoin.enrich.resources.SERVICE_NAME_SOURCES
     "config",

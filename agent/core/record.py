@@ -136,6 +136,7 @@ CNT_H2_HEADERS_CUT = 41
 CNT_H2_UNANSWERED = 42
 CNT_H2_MALFORMED = 43
 CNT_H2_FIELD_UNRESOLVED = 44
+CNT_H2_NOT_LOADED = 45
 CNT_CUDA_UNATTRIBUTED = 46
 CNT_CUDA_NESTED = 47
 CNT_CUDA_ACC_LOST = 48
@@ -179,6 +180,7 @@ KERNEL_COUNTERS: dict[int, str] = {
     CNT_H2_UNANSWERED: "h2_unanswered",
     CNT_H2_MALFORMED: "h2_malformed",
     CNT_H2_FIELD_UNRESOLVED: "h2_field_unresolved",
+    CNT_H2_NOT_LOADED: "h2_not_loaded",
     CNT_CUDA_UNATTRIBUTED: "cuda_unattributed",
     CNT_CUDA_NESTED: "cuda_nested",
     CNT_CUDA_ACC_LOST: "cuda_acc_lost",
@@ -244,6 +246,8 @@ KERNEL_COUNTER_HELP: dict[str, str] = {
     "h2_field_unresolved": "HTTP/2 streams not emitted: a field referred to a dynamic-table "
     "entry whose value the kernel does not hold, and the stream lacks the traceparent, "
     ":method or :path it may have been (a span would guess its trace or its name)",
+    "h2_not_loaded": "Connections that turned HTTP/2 while the HTTP/2 programs were not loaded "
+    "(the seconds after ready, while they are verified, or a failed load): not traced",
     "cuda_unattributed": "Probed CUDA calls by a thread in no open request's work set "
     "(work outside requests, or a worker that polls: no thread link)",
     "cuda_nested": "Probed CUDA calls made beneath another probed call (a runtime call's "
