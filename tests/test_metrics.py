@@ -70,6 +70,7 @@ def test_label_value_sets_match_their_owners() -> None:
     )
     assert set(DECLARED["traceparent_rejected"].values["reason"]) == set(traceparent.REASONS)
     signals = {s.name for s in probes.OPTIONAL_SIGNALS} | {"page_faults", *probes.CUDA_SIGNALS}
+    signals.add(probes.HTTP2_SIGNAL)
     tlb_modes = {"hardware", "flush_fallback", "off"}  # ProbeStatus.tlb_mode
     want = signals | {"tlb_" + mode for mode in tlb_modes}
     assert set(DECLARED["probe_mode"].values["signal"]) == want

@@ -234,7 +234,8 @@ METRICS: tuple[Metric, ...] = (
     gauge(
         "probe_mode",
         "1 when a signal's probes are loaded, 0 when it is off (the log says why); "
-        "of the tlb_* series, the one at 1 is the TLB signal in use.",
+        "of the tlb_* series, the one at 1 is the TLB signal in use; http2 is 0 while "
+        "`tracejoin run` verifies its programs after ready.",
         "signal",
         values={"signal": PROBE_SIGNALS},
     ),

@@ -131,6 +131,8 @@ OPTIONAL_SIGNALS: tuple[OptionalSignal, ...] = (
 )
 # Opt-in uprobe signals (--cuda, --cuda-launches): in ProbeStatus.signals only when asked for.
 CUDA_SIGNALS = ("cuda", "cuda_launches")
+# HTTP/2's three programs: "loading" while `tracejoin run` verifies them after ready
+HTTP2_SIGNAL = "http2"
 OPTIONAL_TRACEPOINTS: tuple[str, ...] = tuple(
     tp for sig in OPTIONAL_SIGNALS for tp in sig.tracepoints
 )
@@ -404,7 +406,7 @@ class HttpProbes:
             self.cuda = CudaProbes(bpf, apis, self.metrics, launches=self.config.cuda_launches)
             self.cuda.start()
         if self.config.http2_after_ready:
-            self.status.signals["http2"] = "loading"
+            self.status.signals[HTTP2_SIGNAL] = "loading"
             self._h2_loader = threading.Thread(
                 target=self._load_http2, args=(bpf,), name="tracejoin-http2", daemon=True
             )
@@ -454,9 +456,9 @@ class HttpProbes:
         except Exception as exc:
             state = f"off: its programs did not load ({exc})"
         self.status.http2_load_seconds = time.monotonic() - t0
-        self.status.signals["http2"] = state
+        self.status.signals[HTTP2_SIGNAL] = state
         if self._h2_loader is not None:  # after ready: say when it came on
-            self._report_signal("http2", state)
+            self._report_signal(HTTP2_SIGNAL, state)
             log.info(
                 "http2 %s: its programs verified in %.1fs", state, self.status.http2_load_seconds
             )
