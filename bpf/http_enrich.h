@@ -154,7 +154,7 @@ static __always_inline void run_notes_for(u32 tid)
     if (!s || !s->nnotes)
         return;
     u32 left = 0;
-#pragma unroll
+#pragma unroll 1
     for (int i = 0; i < WS_NOTES; i++) {
         struct ws_note *n = &s->notes[i];
         if (!n->kind)

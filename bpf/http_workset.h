@@ -678,7 +678,7 @@ static __always_inline int ws_wake(void *p)
     int may_join = -1;          /* decided at the first join, once per wake */
     u32 wakee_pid = 0;
     char comm[16] = {};
-#pragma unroll
+#pragma unroll 1
     for (int r = 0; r < WS_REFS; r++) {
         struct ws_key k = {.conn_id = t->refs[r].conn_id, .seq = t->refs[r].seq};
         u32 my_idx = t->refs[r].idx;

@@ -21,17 +21,19 @@ from tracejoin.kernel.probes import HttpProbes, ProbeConfig
 
 PROGRAMS = ("scan_req", "scan_resp", "run_notes", "h2_scan_rd", "h2_scan_wr", "h2_end")
 BPF_PROG_TYPE_TRACEPOINT = 5
+BPF_PROG_TYPE_RAW_TRACEPOINT = 17
+WORKSET_PROGRAM = "ws_wake_prog"  # the work set's wake handler (a raw tracepoint's tail call)
 BPF_LOG_STATS = 4
 LOG_SIZE = 1 << 16
 
 
-def processed(insns: bytes) -> str:
+def processed(insns: bytes, prog_type: int = BPF_PROG_TYPE_TRACEPOINT) -> str:
     """Load the bytecode (its map fds already in place) with statistics only."""
     code = ctypes.create_string_buffer(insns, len(insns))
     license = ctypes.create_string_buffer(b"GPL")
     log = ctypes.create_string_buffer(LOG_SIZE)
     attr = ctypes.create_string_buffer(128)
-    ctypes.c_uint32.from_buffer(attr, 0).value = BPF_PROG_TYPE_TRACEPOINT
+    ctypes.c_uint32.from_buffer(attr, 0).value = prog_type
     ctypes.c_uint32.from_buffer(attr, 4).value = len(insns) // 8
     ctypes.c_uint64.from_buffer(attr, 8).value = ctypes.addressof(code)
     ctypes.c_uint64.from_buffer(attr, 16).value = ctypes.addressof(license)
@@ -61,6 +63,8 @@ def main() -> None:
     try:
         for name in PROGRAMS:
             print(f"{name:12} {processed(bpf.dump_func(name.encode()))}", flush=True)
+        insns = bpf.dump_func(WORKSET_PROGRAM.encode())
+        print(f"{WORKSET_PROGRAM:12} {processed(insns, BPF_PROG_TYPE_RAW_TRACEPOINT)}", flush=True)
     finally:
         bpf.cleanup()
 
