@@ -21,7 +21,6 @@ import json
 import statistics
 import subprocess
 import sys
-from typing import Any
 
 _CHILD = r"""
 import ctypes, json, os, sys, time
@@ -127,49 +126,35 @@ main()
 """
 
 
-def load_concurrently(bpf: Any, programs: list[tuple[bytes, int]]) -> None:
-    """Each load_func in its own thread: the verifier runs in the loading thread, with the GIL
-    released in the C call (not used by the agent: see docs/performance.md, start-up)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=len(programs)) as pool:
-        futures = [pool.submit(bpf.load_func, name, kind) for name, kind in programs]
-    for f in futures:
-        f.result()
-
-
 def verify_split(rounds: int) -> None:
-    """The tail-call programs' loads (the verifier) one after another vs all at once,
-    alternating, on one compiled module (each load verifies the program again)."""
+    """The tail-call programs' loads (the verifier) one after another vs all at once (the
+    agent's load_programs, as start() calls it: one thread per CPU), alternating, on one
+    compiled module (each load verifies the program again)."""
     import os
     import time
 
     from bcc import BPF
     from tracejoin.core.metrics import Metrics
-    from tracejoin.kernel.probes import HttpProbes, ProbeConfig
+    from tracejoin.kernel.probes import HttpProbes, ProbeConfig, load_programs
 
     p = HttpProbes(ProbeConfig(), Metrics())
     src, cflags = p.render()
     bpf = BPF(text=src.encode(), cflags=cflags)
-    progs = [(b"scan_req", BPF.TRACEPOINT), (b"scan_resp", BPF.TRACEPOINT)]
-    progs += [(b"run_notes", BPF.TRACEPOINT), (b"ws_wake_prog", BPF.RAW_TRACEPOINT)]
+    progs = [("scan_req", BPF.TRACEPOINT), ("scan_resp", BPF.TRACEPOINT)]
+    progs += [("run_notes", BPF.TRACEPOINT), ("ws_wake_prog", BPF.RAW_TRACEPOINT)]
 
     def fresh() -> None:  # forget the loaded programs, so the next load verifies again
         for name, _ in progs:
-            fn = bpf.funcs.pop(name, None)
+            fn = bpf.funcs.pop(name.encode(), None)
             if fn is not None:
                 os.close(fn.fd)
-
-    def one_by_one() -> None:
-        for name, kind in progs:
-            bpf.load_func(name, kind)
 
     times: dict[str, list[float]] = {"one after another": [], "all at once": []}
     try:
         for _ in range(rounds):
             for label, how in (
-                ("one after another", one_by_one),
-                ("all at once", lambda: load_concurrently(bpf, progs)),
+                ("one after another", lambda: load_programs(bpf, progs, 1)),
+                ("all at once", lambda: load_programs(bpf, progs, os.cpu_count() or 1)),
             ):
                 fresh()
                 t0 = time.monotonic()
@@ -178,7 +163,7 @@ def verify_split(rounds: int) -> None:
     finally:
         fresh()
         bpf.cleanup()
-    print(f"tail-call loads ({', '.join(n.decode() for n, _ in progs)}), {os.cpu_count()} CPUs")
+    print(f"tail-call loads ({', '.join(n for n, _ in progs)}), {os.cpu_count()} CPUs")
     for label, ts in times.items():
         print(f"  {label:18s} median {statistics.median(ts):.2f} s  {[round(t, 2) for t in ts]}")
 

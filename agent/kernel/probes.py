@@ -13,6 +13,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -239,6 +240,20 @@ def _ncpus() -> int:
     return os.cpu_count() or 1
 
 
+def load_programs(bpf: Any, programs: Sequence[tuple[str, int]], workers: int) -> list[int]:
+    """Load (verify) BCC functions, up to `workers` at once, and return their fds in order.
+    The kernel verifies a program in the thread that loads it, and ctypes releases the GIL
+    for the call, so on idle CPUs the wall time falls to the slowest program's
+    (`bench.startup --verify`). The first failure is raised, after every load has returned."""
+    if workers <= 1 or len(programs) <= 1:
+        return [bpf.load_func(name.encode(), kind).fd for name, kind in programs]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tracejoin-verify") as pool:
+        futures = [pool.submit(bpf.load_func, name.encode(), kind) for name, kind in programs]
+    return [f.result().fd for f in futures]
+
+
 class HttpProbes:
     """The kernel half of the pipeline, and the pipeline's record source. start() compiles and
     attaches; poll() returns the raw records the ring buffer holds; detach() stops every program
@@ -364,16 +379,16 @@ class HttpProbes:
                 "host's /lib/modules and /usr/src)"
             ) from exc
         self._bpf = bpf
-        for name, idx in (
-            ("scan_req", PROG_SCAN_REQ),
-            ("scan_resp", PROG_SCAN_RESP),
-            ("run_notes", PROG_RUN_NOTES),
-        ):
-            fn = bpf.load_func(name.encode(), BPF.TRACEPOINT)
-            bpf[b"progs"][ctypes.c_int(idx)] = ctypes.c_int(fn.fd)
+        tail_calls = [
+            (b"progs", PROG_SCAN_REQ, "scan_req", BPF.TRACEPOINT),
+            (b"progs", PROG_SCAN_RESP, "scan_resp", BPF.TRACEPOINT),
+            (b"progs", PROG_RUN_NOTES, "run_notes", BPF.TRACEPOINT),
+        ]
         if "WITH_WORKSET" in knobs:  # the work set's wake handler, behind its raw tracepoints
-            fn = bpf.load_func(b"ws_wake_prog", BPF.RAW_TRACEPOINT)
-            bpf[b"ws_progs"][ctypes.c_int(0)] = ctypes.c_int(fn.fd)
+            tail_calls.append((b"ws_progs", 0, "ws_wake_prog", BPF.RAW_TRACEPOINT))
+        fds = load_programs(bpf, [(name, kind) for _, _, name, kind in tail_calls], _ncpus())
+        for (table, idx, _, _), fd in zip(tail_calls, fds, strict=True):
+            bpf[table][ctypes.c_int(idx)] = ctypes.c_int(fd)
         self._fill_filters(bpf)
         if "WITH_FAULTS" in knobs:
             try:
@@ -441,16 +456,12 @@ class HttpProbes:
         from bcc import BPF
 
         t0 = time.monotonic()
+        programs = (("h2_end", PROG_H2_END), ("h2_scan_wr", PROG_H2_WR), ("h2_scan_rd", PROG_H2_RD))
+        # after ready, one CPU stays free for the workload and the reader
+        workers = max(1, _ncpus() - 1) if self._h2_loader is not None else _ncpus()
         try:
-            fds = [
-                (idx, bpf.load_func(name.encode(), BPF.TRACEPOINT).fd)
-                for name, idx in (
-                    ("h2_end", PROG_H2_END),
-                    ("h2_scan_wr", PROG_H2_WR),
-                    ("h2_scan_rd", PROG_H2_RD),
-                )
-            ]
-            for idx, fd in fds:
+            fds = load_programs(bpf, [(name, BPF.TRACEPOINT) for name, _ in programs], workers)
+            for (_, idx), fd in zip(programs, fds, strict=True):
                 bpf[b"progs"][ctypes.c_int(idx)] = ctypes.c_int(fd)
             state = "on"
         except Exception as exc:
