@@ -307,8 +307,11 @@ class Agent:
 
     def _apply_budget(self, cpu_s: float, ringbuf_full: int) -> None:
         """One step of the overload budget: the ratio for the kernel, and what it shed."""
-        before = self.budget.ratio
-        ratio = self.budget.update(time.monotonic(), cpu_s, ringbuf_full)
+        before = ratio = self.budget.ratio
+        if getattr(self.source, "loading", False):
+            self.budget.skip()  # verifying HTTP/2's programs after ready: not load to shed
+        else:
+            ratio = self.budget.update(time.monotonic(), cpu_s, ringbuf_full)
         set_sampling = getattr(self.source, "set_sampling", None)
         if ratio != before and set_sampling is not None:
             set_sampling(ratio)

@@ -282,6 +282,9 @@ class AgentRun:
     proc: subprocess.Popen[str] | None = None
     startup_s: float = 0.0  # process start -> "ready" log line
     load_s: float = 0.0  # the agent's own figure: BCC compile + attach
+    # process start -> HTTP/2 on (verified after ready: its own log line; start() waits for it,
+    # since the verifier's CPU is the agent's and its programs are measured too)
+    http2_s: float = 0.0
     stop_s: float = 0.0
     peak_rss_kb: int = 0
     rss_kb: dict[str, int] = field(default_factory=dict)  # at stop: VmRSS, RssAnon, RssFile
@@ -301,7 +304,7 @@ class AgentRun:
         cmd += ["--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1"]
         for p in self.ports:
             cmd += ["--port", str(p)]
-        ready = threading.Event()
+        ready, http2 = threading.Event(), threading.Event()
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
             pinned(cmd + self.extra_args, self.cpu),
@@ -321,10 +324,16 @@ class AgentRun:
                     self.startup_s = time.monotonic() - t0
                     self.load_s = float(m.group(1))
                     ready.set()
+                    if "'http2': 'loading'" not in line:  # --http2-before-ready
+                        self.http2_s = self.startup_s
+                        http2.set()
+                elif ready.is_set() and re.search(r"\bhttp2 (on|off)", line) and not http2.is_set():
+                    self.http2_s = time.monotonic() - t0
+                    http2.set()
 
         threading.Thread(target=read_log, daemon=True).start()
         deadline = time.monotonic() + timeout_s
-        while not ready.wait(0.05):
+        while not (ready.wait(0.05) and http2.wait(0.05)):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError("tracejoin run did not get ready:\n" + "\n".join(self.log))

@@ -250,7 +250,10 @@ class Bench:
     def start_agent(self) -> m.AgentRun:
         agent = m.AgentRun([self.port], self.cfg.agent_cpu, self.sink_port)
         agent.start()
-        self.log(f"  agent ready in {agent.startup_s:.2f} s (probes {agent.load_s:.1f} s)")
+        self.log(
+            f"  agent ready in {agent.startup_s:.2f} s (probes {agent.load_s:.1f} s); "
+            f"HTTP/2 on at {agent.http2_s:.2f} s"
+        )
         return agent
 
     def stop_agent(self, agent: m.AgentRun) -> None:
@@ -259,6 +262,7 @@ class Bench:
             {
                 "startup_s": round(agent.startup_s, 3),
                 "probe_load_s": agent.load_s,
+                "http2_s": round(agent.http2_s, 3),
                 "stop_s": round(agent.stop_s, 3),
                 "peak_rss_mb": round(agent.peak_rss_kb / 1024, 1),
                 "rss_at_stop_mb": {k: round(v / 1024, 1) for k, v in agent.rss_kb.items()},
@@ -719,6 +723,11 @@ def format_report(res: dict[str, Any]) -> str:
     L.append(
         f"   start-up to ready: {_mean(st):.2f} s [{min(st):.2f}..{max(st):.2f}] over "
         f"{len(st)} starts (BCC compile+load+attach {load:.1f} s)"
+        + (
+            f"; HTTP/2 on at {_mean(h2):.2f} s (its programs verified after ready)"
+            if (h2 := [a["http2_s"] for a in ag["runs"] if "http2_s" in a])
+            else ""
+        )
     )
     last = ag["runs"][-1].get("rss_at_stop_mb", {})
     L.append(

@@ -6,6 +6,7 @@ decisions themselves are checked against the SDK's sampler in test_reliability.p
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
@@ -121,3 +122,45 @@ def test_doctor_shows_a_running_agents_ratio():
         srv.shutdown()
     assert running_agent(port) is None
     assert "none answering" in running_agent_text(port, None)
+
+
+def test_start_up_work_after_ready_is_not_load():
+    """`tracejoin run` verifies HTTP/2's programs after ready: seconds of the agent's CPU that
+    shedding requests would not lower. Skipped readings leave the ratio alone, and the next
+    interval starts after them."""
+    ctl = BudgetController(budget=0.5)
+    t, cpu = 0.0, 0.0
+    ctl.update(t, cpu, 0)
+    for _ in range(6):  # the verifier: 2 CPUs' worth a second
+        t, cpu = t + 1.0, cpu + 2.0
+        ctl.skip()
+    assert ctl.ratio == 1.0
+    t, cpu = t + 1.0, cpu + 0.1
+    assert ctl.update(t, cpu, 0) == 1.0  # a fresh baseline, not 12 s of CPU over 1 s
+    t, cpu = t + 1.0, cpu + 0.1
+    assert ctl.update(t, cpu, 0) == 1.0 and ctl.share == pytest.approx(0.1)
+
+
+def test_the_agent_skips_the_budget_while_its_source_is_loading():
+    from tracejoin.app import build_agent
+    from tracejoin.core.metrics import Metrics
+
+    class Loading:  # the probes while HTTP/2's programs are verified after ready
+        loading = True
+
+        def __init__(self) -> None:
+            self.ratios: list[float] = []
+
+        def set_sampling(self, ratio: float) -> None:
+            self.ratios.append(ratio)
+
+    src = Loading()
+    agent = build_agent(Settings(gpu=False), Metrics(), [], source=src)  # type: ignore[arg-type]
+    for second in range(6):
+        agent._apply_budget(cpu_s=2.0 * second, ringbuf_full=0)
+    assert src.ratios == [] and agent.budget.ratio == 1.0
+    src.loading = False
+    for n in range(3):  # a baseline, then two readings far over the budget
+        time.sleep(0.01)
+        agent._apply_budget(cpu_s=12.0 + n, ringbuf_full=0)
+    assert src.ratios and src.ratios[-1] < 1.0, "once loaded, overload lowers the ratio again"

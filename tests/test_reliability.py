@@ -912,6 +912,10 @@ def test_hostile_traffic(privileged, tmp_path):
         ) as a,
     ):
         a.wait_ready()
+        # ready comes before HTTP/2's programs are verified; they come on by themselves, and
+        # the HTTP/2 preface in the mix is then scanned, not ignored
+        a.wait_metric(lambda s: s.get("probe_mode", signal="http2") == 1, 120, "http2 on")
+        assert "http2 on: its programs verified in" in a.log_tail(200)
         m0 = a.scrape()
         cpu0, t0 = a.cpu_seconds(), time.monotonic()
         result = HostileMix(port, duration).run()

@@ -443,6 +443,12 @@ class HttpProbes:
         if self._h2_loader is not None:
             self._h2_loader.start()
 
+    @property
+    def loading(self) -> bool:
+        """Programs are still being verified after start() returned (HTTP/2's, after ready):
+        the agent's CPU then is start-up work, not records (the overload budget skips it)."""
+        return self._h2_loader is not None and self._h2_loader.is_alive()
+
     def _report_signal(self, name: str, state: str) -> None:
         self.metrics.set("probe_mode", 1 if state == "on" else 0, signal=name)
         if state not in ("on", "loading"):
@@ -468,11 +474,13 @@ class HttpProbes:
             state = f"off: its programs did not load ({exc})"
         self.status.http2_load_seconds = time.monotonic() - t0
         self.status.signals[HTTP2_SIGNAL] = state
-        if self._h2_loader is not None:  # after ready: say when it came on
-            self._report_signal(HTTP2_SIGNAL, state)
-            log.info(
-                "http2 %s: its programs verified in %.1fs", state, self.status.http2_load_seconds
-            )
+        if self._h2_loader is None:
+            return  # start() reports it with the other signals
+        self.metrics.set("probe_mode", 1 if state == "on" else 0, signal=HTTP2_SIGNAL)
+        if state == "on":
+            log.info("http2 on: its programs verified in %.1fs", self.status.http2_load_seconds)
+        else:
+            log.warning("http2 %s", state)
 
     def _fill_filters(self, bpf: object) -> None:
         cfg = self.config

@@ -37,6 +37,12 @@ class BudgetController:
     _last: tuple[float, float, int] | None = field(default=None, repr=False)
     _over: int = field(default=0, repr=False)
 
+    def skip(self) -> None:
+        """Forget the last reading: the agent is doing start-up work (verifying programs after
+        ready), CPU that shedding requests would not lower. The next update starts afresh."""
+        self._last = None
+        self._over = 0
+
     def update(self, now_s: float, cpu_s: float, ringbuf_full: int) -> float:
         last, self._last = self._last, (now_s, cpu_s, ringbuf_full)
         if last is None or self.budget <= 0 or now_s <= last[0]:
