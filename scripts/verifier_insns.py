@@ -1,11 +1,12 @@
 """Instructions the verifier processes for each tail-called program (its limit: 1,000,000).
 
-    sudo .venv/bin/python scripts/verifier_insns.py [--ports] [--cuda]
+    sudo .venv/bin/python scripts/verifier_insns.py [--ports] [--cuda] [--sizes]
 
 Compiles bpf/http.c as the agent does (the same knobs), then loads each program's bytecode
 once more with BPF_LOG_STATS and prints the verifier's "processed N insns". A program past the
 limit prints the verifier's refusal. The scanners' step budgets (SCAN_CHUNK, H2_STEPS) are
-sized by these figures (docs/probes.md).
+sized by these figures (docs/probes.md). --sizes also lists every function's compiled size,
+largest first: what clang/LLVM emitted, which its start-up time follows (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -50,10 +51,24 @@ def processed(insns: bytes, prog_type: int = BPF_PROG_TYPE_TRACEPOINT) -> str:
     return f"{figure} (refused: {os.strerror(err)})"
 
 
+def print_sizes(bpf: object) -> None:
+    from bcc import lib
+
+    module = bpf.module  # type: ignore[attr-defined]
+    sizes = {}
+    for i in range(lib.bpf_num_functions(module)):
+        name = lib.bpf_function_name(module, i)
+        sizes[name.decode()] = lib.bpf_function_size(module, name) // 8
+    print(f"compiled: {sum(sizes.values()):,} instructions in {len(sizes)} functions")
+    for name, n in sorted(sizes.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:44} {n:6,}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ports", action="store_true", help="compile with a port filter")
     ap.add_argument("--cuda", action="store_true", help="compile with the CUDA uprobes")
+    ap.add_argument("--sizes", action="store_true", help="list the compiled functions' sizes")
     args = ap.parse_args()
     from bcc import BPF  # Debian's python3-bpfcc
 
@@ -65,6 +80,8 @@ def main() -> None:
             print(f"{name:12} {processed(bpf.dump_func(name.encode()))}", flush=True)
         insns = bpf.dump_func(WORKSET_PROGRAM.encode())
         print(f"{WORKSET_PROGRAM:12} {processed(insns, BPF_PROG_TYPE_RAW_TRACEPOINT)}", flush=True)
+        if args.sizes:
+            print_sizes(bpf)
     finally:
         bpf.cleanup()
 
