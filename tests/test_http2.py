@@ -794,6 +794,18 @@ def test_http1_on_the_same_port_still_works(h2agent: Agent) -> None:
     assert "network.protocol.version" not in spans[0].attributes
 
 
+def _call(c: Scripted, sid: int, path: bytes, opening: bool = False) -> tuple[int, int]:
+    """One answered stream on c (after the client preface and both SETTINGS when `opening`);
+    its trace id and parent span id."""
+    if opening:
+        c.client(PREFACE + SETTINGS)
+        c.server(SETTINGS)
+    tp, tid, parent = new_traceparent()
+    c.client(frame(HEADERS, END_HEADERS | END_STREAM, sid, request_block(path, tp.encode())))
+    c.server(response(sid))
+    return tid, parent
+
+
 def test_http2_programs_verified_after_ready(privileged: None, monkeypatch) -> None:
     """`tracejoin run` is ready before the HTTP/2 programs are verified: a connection that
     turns HTTP/2 meanwhile is counted and ignored for good (its bytes so far went unscanned, so
@@ -821,13 +833,7 @@ def test_http2_programs_verified_after_ready(privileged: None, monkeypatch) -> N
         assert status.signals["http2"] == "loading"
         assert a.metrics.get("probe_mode", signal="http2") == 0
         early = Scripted(early_port)
-        early.client(PREFACE + SETTINGS)
-        early.server(SETTINGS)
-        tp1, tid1, _ = new_traceparent()
-        early.client(
-            frame(HEADERS, END_HEADERS | END_STREAM, 1, request_block(b"/e.A/One", tp1.encode()))
-        )
-        early.server(response(1))
+        tid1, _ = _call(early, 1, b"/e.A/One", opening=True)
         assert kernel_counter(a, "h2_not_loaded") == 1
 
         gate.set()
@@ -838,19 +844,9 @@ def test_http2_programs_verified_after_ready(privileged: None, monkeypatch) -> N
         assert a.metrics.get("probe_mode", signal="http2") == 1
 
         # the early connection goes on after the load: still ignored
-        tp3, tid3, _ = new_traceparent()
-        early.client(
-            frame(HEADERS, END_HEADERS | END_STREAM, 3, request_block(b"/e.A/Two", tp3.encode()))
-        )
-        early.server(response(3))
+        tid3, _ = _call(early, 3, b"/e.A/Two")
         late = Scripted(late_port)
-        late.client(PREFACE + SETTINGS)
-        late.server(SETTINGS)
-        tp, tid, parent = new_traceparent()
-        late.client(
-            frame(HEADERS, END_HEADERS | END_STREAM, 1, request_block(b"/l.A/One", tp.encode()))
-        )
-        late.server(response(1))
+        tid, parent = _call(late, 1, b"/l.A/One", opening=True)
         spans = _server_spans(a, late_port, 1)
         # the early connection's records, had there been any, were read before the late one's
         early_spans = [s for s in a.spans() if s.attributes.get("server.port") == early_port]
