@@ -220,8 +220,9 @@ class ProbeConfig:
     cuda: bool = False  # uprobes on CUDA libraries (agent/kernel/cuda.py; needs the work set)
     cuda_launches: bool = False  # ... kernel launches too (on the critical path: opt-in)
     cuda_sync_threshold_ns: int = 1_000_000  # synchronisations kept as child spans
-    # Verify the HTTP/2 programs in a thread once start() returns (tracejoin run: HTTP/1.x is
-    # traced ~40 % sooner); False: start() loads them too (capture, tests).
+    # Verify the HTTP/2 programs in a thread once start() returns (tracejoin run: ready and
+    # HTTP/1.x traced seconds sooner, docs/performance.md); False: start() loads them too
+    # (capture, tests).
     http2_after_ready: bool = False
 
 
@@ -455,10 +456,10 @@ class HttpProbes:
             log.warning("signal %s is %s", name, state)
 
     def _load_http2(self, bpf: Any) -> None:
-        """Verify the HTTP/2 programs (bpf/http2_scan.h: ~40 % of start-up, the largest programs
-        to verify) and put them in the tail-call table, the end program first since the
-        scanners tail-call it. Until they are in, a connection that turns HTTP/2 is ignored and
-        counted (kernel h2_not_loaded); if they fail to load, HTTP/2 stays off, HTTP/1.x runs."""
+        """Verify the HTTP/2 programs (bpf/http2_scan.h: the largest programs to verify) and
+        put them in the tail-call table, the end program first since the scanners tail-call
+        it. Until they are in, a connection that turns HTTP/2 is ignored and counted (kernel
+        h2_not_loaded); if they fail to load, HTTP/2 stays off and HTTP/1.x runs on."""
         from bcc import BPF
 
         t0 = time.monotonic()
