@@ -1006,7 +1006,7 @@ def test_no_pmu_flush_fallback_and_the_rest_works(rel):
     """Without a hardware PMU (this VM) the TLB signal falls back to tlb:tlb_flush counts,
     named as flushes, and says so (probe_mode, the resource's tracejoin.tlb.mode); every other
     signal and the spans themselves are unaffected."""
-    from tracejoin.kernel.probes import pmu_tlb_available
+    from tracejoin.kernel.probes import HTTP2_SIGNAL, pmu_tlb_available
 
     agent = rel.agent
     status = agent.pipeline.source.status
@@ -1014,7 +1014,7 @@ def test_no_pmu_flush_fallback_and_the_rest_works(rel):
         assert status.tlb_mode == "hardware"
         pytest.skip("this host has a PMU: hardware TLB counters are in use, not the fallback")
     assert status.tlb_mode == "flush_fallback"
-    every = {sig.name for sig in OPTIONAL_SIGNALS} | {"page_faults"}
+    every = {sig.name for sig in OPTIONAL_SIGNALS} | {"page_faults", HTTP2_SIGNAL}
     assert status.signals == dict.fromkeys(every, "on"), status.signals
     sent = keepalive_load(rel.go_port, 5, prefix="/nopmu")
     agent.wait_for(lambda _s: len(_server_spans(agent, "/nopmu/")) >= 5, 10)
