@@ -269,6 +269,16 @@ def otlp_sink(cpu: int | None) -> Iterator[int]:
         proc.wait()
 
 
+def http2_pending(ready_line: str) -> bool:
+    """`tracejoin run`'s ready line says HTTP/2's programs are verified after it..."""
+    return "'http2': 'loading'" in ready_line
+
+
+def http2_settled(line: str) -> bool:
+    """... and this later line that they came on, or did not (agent/kernel/probes.py)."""
+    return "http2 on:" in line or "signal http2 is off" in line
+
+
 @dataclass
 class AgentRun:
     """One `tracejoin run` process: start, counters, CPU, memory, stop. Spans go to an OTLP/HTTP
@@ -324,10 +334,10 @@ class AgentRun:
                     self.startup_s = time.monotonic() - t0
                     self.load_s = float(m.group(1))
                     ready.set()
-                    if "'http2': 'loading'" not in line:  # --http2-before-ready
+                    if not http2_pending(line):  # --http2-before-ready
                         self.http2_s = self.startup_s
                         http2.set()
-                elif ready.is_set() and re.search(r"\bhttp2 (on|off)", line) and not http2.is_set():
+                elif ready.is_set() and http2_settled(line) and not http2.is_set():
                     self.http2_s = time.monotonic() - t0
                     http2.set()
 

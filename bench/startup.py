@@ -22,6 +22,8 @@ import statistics
 import subprocess
 import sys
 
+from bench.measure import http2_pending, http2_settled
+
 _CHILD = r"""
 import ctypes, json, os, sys, time
 t_exec = float(sys.argv[1])
@@ -201,9 +203,9 @@ def agent_start(trim: bool, *flags: str) -> tuple[float, dict[str, int], float]:
         else:
             sys.exit("tracejoin run exited before it was ready")
         http2 = ready
-        if "'http2': 'loading'" in line:
+        if http2_pending(line):
             for line in proc.stderr:
-                if "http2 on" in line or "http2 off" in line:
+                if http2_settled(line):
                     http2 = time.monotonic() - t0
                     break
         time.sleep(2)

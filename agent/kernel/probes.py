@@ -477,11 +477,9 @@ class HttpProbes:
         self.status.signals[HTTP2_SIGNAL] = state
         if self._h2_loader is None:
             return  # start() reports it with the other signals
-        self.metrics.set("probe_mode", 1 if state == "on" else 0, signal=HTTP2_SIGNAL)
+        self._report_signal(HTTP2_SIGNAL, state)  # off: warned as any signal is
         if state == "on":
             log.info("http2 on: its programs verified in %.1fs", self.status.http2_load_seconds)
-        else:
-            log.warning("http2 %s", state)
 
     def _fill_filters(self, bpf: object) -> None:
         cfg = self.config
