@@ -33,22 +33,39 @@ def get(agent, port: int, path: str) -> tuple[Span, list[Span]]:
     return span, children(agent, span)
 
 
+class KeepAlive:
+    """One keep-alive connection: its handler thread is started by the first request and is
+    already running for the next ones. CPython's accept loop takes the GIL from a handler it has
+    just started (a wake), and would join that handler's first request."""
+
+    def __init__(self, agent, port: int) -> None:
+        self.agent = agent
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        self.file = self.sock.makefile("rb")
+
+    def get(self, path: str) -> tuple[Span, list[Span]]:
+        tp, trace_id, _ = new_traceparent()
+        self.sock.sendall(f"GET {path} HTTP/1.1\r\nHost: t\r\ntraceparent: {tp}\r\n\r\n".encode())
+        length = 0
+        while (line := self.file.readline()) not in (b"\r\n", b""):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        self.file.read(length)
+        (span,) = self.agent.server_spans(trace_id)
+        return span, children(self.agent, span)
+
+    def __enter__(self) -> KeepAlive:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.file.close()
+        self.sock.close()
+
+
 def get_on_one_connection(agent, port: int, paths: list[str]) -> list[tuple[Span, list[Span]]]:
     """Requests in turn on one keep-alive connection: one handler thread, started before them."""
-    out = []
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        f = s.makefile("rb")
-        for path in paths:
-            tp, trace_id, _ = new_traceparent()
-            s.sendall(f"GET {path} HTTP/1.1\r\nHost: t\r\ntraceparent: {tp}\r\n\r\n".encode())
-            length = 0
-            while (line := f.readline()) not in (b"\r\n", b""):
-                if line.lower().startswith(b"content-length:"):
-                    length = int(line.split(b":")[1])
-            f.read(length)
-            (span,) = agent.server_spans(trace_id)
-            out.append((span, children(agent, span)))
-    return out
+    with KeepAlive(agent, port) as conn:
+        return [conn.get(path) for path in paths]
 
 
 def children(agent, span: Span, settle_s: float = 0.3) -> list[Span]:
@@ -64,8 +81,7 @@ def test_thread_pool_worker_is_in_the_work_set(agent, jaeger):
     port = agent.take_port()
     with server("workers", port) as proc:
         get(agent, port, "/pool?n=1")  # the pool creates its worker thread on first use
-        # on a connection whose handler thread is already running: CPython's accept loop takes
-        # the GIL from a handler it has just started (a wake), and would join its first request
+        # on a connection whose handler thread is already running (see KeepAlive)
         (_, (inline, inline_kids)) = get_on_one_connection(agent, port, ["/x", f"/pages?n={N}"])
         pooled = [get(agent, port, f"/pool?n={N}") for _ in range(3)]
     a = inline.attributes
@@ -190,10 +206,12 @@ def test_background_work_after_the_response_is_not_attributed(agent):
     port = agent.take_port()
     with server("workers", port):
         get(agent, port, "/bg?n=1&ms=0")  # starts the background thread
-        time.sleep(0.2)
-        span, kids = get(agent, port, f"/bg?n={pages}&ms=100")
-        time.sleep(0.4)  # the background thread works now, after the response
-        later, _ = get(agent, port, "/x")
+        with KeepAlive(agent, port) as conn:
+            conn.get("/x")  # the next request's handler runs from here on (see KeepAlive)
+            time.sleep(0.2)
+            span, kids = get(agent, port, f"/bg?n={pages}&ms=100")
+            time.sleep(0.4)  # the background thread works now, after the response
+            later, _ = conn.get("/x")
     a = span.attributes
     assert a["tracejoin.work.threads"] >= 2, a  # the handler woke it: it joined ...
     assert a["tracejoin.mm.minor_faults"] < 0.1 * pages, a  # ... but worked after the end
