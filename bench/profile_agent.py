@@ -3,6 +3,7 @@
     sudo python -m bench.profile_agent [--rate 1000] [--seconds 5] [--top 20] [--no-profile]
                                         [--batch-ms N] [--destination otlp|file] [--gc]
                                         [--unsampled] [--kernel-policy on|off]
+                                        [--join compiled|python]
 
 Builds the pipeline the way `tracejoin run` does (the daemon's span builder and destination:
 OTLP/HTTP protobuf to bench/otlp_sink, or the OTLP-JSON file on tmpfs), starts the Go test
@@ -36,6 +37,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from tracejoin.pipeline import span_bytes
 
 from bench import measure as m
 
@@ -198,9 +201,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--load-cpu", type=int, default=0, help="CPU of the load generator (1: off the agent's)"
     )
+    ap.add_argument(
+        "--join",
+        choices=["compiled", "python"],
+        default="compiled",
+        help="span_bytes' join: the compiled one (as installed) or the pure-Python fallback",
+    )
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("profile_agent: must run as root (BPF)", file=sys.stderr)
+        return 2
+    if args.join == "python":
+        span_bytes._join = span_bytes._join_py
+    elif not span_bytes.COMPILED:
+        print("profile_agent: the compiled join is not built (scripts/setup.sh)", file=sys.stderr)
         return 2
     os.sched_setaffinity(0, {0})
     LOAD_CPU[0] = args.load_cpu

@@ -34,6 +34,7 @@ from tracejoin.kernel.decode import (
     HttpRecord,
     RecordDecoder,
 )
+from tracejoin.pipeline import span_bytes
 from tracejoin.pipeline.span_bytes import encode_spans
 from tracejoin.pipeline.spans import SpanOptions, build_spans
 
@@ -82,6 +83,15 @@ def _best_us(fn: Callable[[], object], n: int, per: int = 1) -> float:
     return best * 1e6 / per
 
 
+def _with_python_join(measure: Callable[[], float]) -> float:
+    compiled = span_bytes._join
+    span_bytes._join = span_bytes._join_py
+    try:
+        return measure()
+    finally:
+        span_bytes._join = compiled
+
+
 def run(n: int = 20_000) -> dict[str, Any]:
     metrics = Metrics()
     raw = sample_record()
@@ -116,6 +126,11 @@ def run(n: int = 20_000) -> dict[str, Any]:
         "encode_spans (server span -> bytes, no objects)": _best_us(
             lambda: encode_spans(e, opts, enricher.new_id), n
         ),
+        # the same with the pure-Python join (an install without a C compiler): what the
+        # compiled join buys
+        "the same, on the pure-Python join (no compiler)": _with_python_join(
+            lambda: _best_us(lambda: encode_spans(e, opts, enricher.new_id), n)
+        ),
         "OTLP request of encoded spans (OTLP destinations)": _best_us(
             lambda: encode_request_bytes(encoded_batch), reps, BATCH
         ),
@@ -125,6 +140,7 @@ def run(n: int = 20_000) -> dict[str, Any]:
     otlp_path = ("decode", "Enricher", "encode_spans", "Metrics", "OTLP request of")
     in_otlp_path = [k for k in stages if k.startswith(otlp_path)]
     return {
+        "join": "compiled" if span_bytes.COMPILED else "pure-Python",
         "spans_per_record": len(spans),
         "server_span_attributes": len(spans[0].attributes),
         "us_per_record": {k: round(v, 2) for k, v in stages.items()},
@@ -136,7 +152,7 @@ def run(n: int = 20_000) -> dict[str, Any]:
 def format_table(res: dict[str, Any]) -> str:
     lines = [
         f"one record -> {res['spans_per_record']} spans ({res['server_span_attributes']} "
-        "attributes on the server span); CPU µs per record, best of 3:"
+        f"attributes on the server span); join: {res['join']}; CPU µs per record, best of 3:"
     ]
     for k, v in res["us_per_record"].items():
         lines.append(f"  {k:<50} {v:>8.2f}")

@@ -90,7 +90,8 @@ venv() {
     fi
     # A dev install includes the runtime one: either stamp, if newer than pyproject.toml, will do.
     for stamp in "$VENV/.tracejoin-installed-dev" "$VENV/.tracejoin-installed-$kind"; do
-        if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then return 0; fi
+        if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] \
+            && [ "$stamp" -nt agent/pipeline/_span_join.c ]; then return 0; fi
     done
     say "installing tracejoin ($kind dependencies) into $VENV"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$spec"
@@ -111,7 +112,9 @@ if [ "$MODE" = matrix ]; then
     exit 0
 fi
 
-apt_install python3-bpfcc libbpfcc python3-venv linux-headers-amd64 curl
+# gcc and python3-dev build span_bytes' compiled join at install (optional: without them the
+# agent runs on the pure-Python one)
+apt_install python3-bpfcc libbpfcc python3-venv linux-headers-amd64 curl gcc python3-dev
 link_headers
 mount_tracefs
 if [ "$MODE" = capture ]; then

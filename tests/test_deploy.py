@@ -781,28 +781,38 @@ def _dockerfile_code() -> str:
 def test_dockerfile() -> None:
     """The image cannot be built here (no container engine); hold it to its contract."""
     code = _dockerfile_code()
-    # the base comes in by digest (BASE_IMAGE, no default), never by a moving tag
+    # the base comes in by digest (BASE_IMAGE, no default), never by a moving tag; both stages
     assert re.search(r"^ARG BASE_IMAGE$", code, re.MULTILINE), "ARG BASE_IMAGE without default"
-    (base,) = re.findall(r"^FROM (.*)$", code, re.MULTILINE)
-    assert base == "${BASE_IMAGE}"
-    install = re.search(r"apt-get install (.*?)(&&|$)", code, re.MULTILINE)
-    assert install, "no apt-get install"
-    packages = set(install.group(1).split())
+    froms = re.findall(r"^FROM (.*)$", code, re.MULTILINE)
+    assert froms == ["${BASE_IMAGE} AS build", "${BASE_IMAGE}"], froms
+    build, image = code.split("\nFROM ${BASE_IMAGE}\n")
+    installs = [
+        re.search(r"apt-get install (.*?)(&&|$)", part, re.MULTILINE) for part in (build, image)
+    ]
+    assert all(installs), "no apt-get install"
+    tools, packages = (set(m.group(1).split()) for m in installs if m)
+    # the build stage compiles span_bytes' join; the image has no compiler and gets the venv
+    assert {"python3", "python3-venv", "python3-dev", "gcc", "libc6-dev"} <= tools
     assert {"python3", "python3-venv", "python3-bpfcc", "libbpfcc"} <= packages
     assert "bpftool" not in packages  # dropped from the production image (see the Dockerfile)
     assert not any(p.startswith(("linux-headers", "gcc", "build-essential")) for p in packages)
+    assert "python3-dev" not in packages
+    assert "COPY --from=build /opt/tracejoin /opt/tracejoin" in image
+    assert "import tracejoin.pipeline._span_join" in build  # the build fails without the join
+    assert "span_bytes.COMPILED" in image
     assert "DEBIAN_FRONTEND=noninteractive" in code
-    assert "/usr/lib/python3/dist-packages/bcc" in code  # the venv sees Debian's binding
+    assert "/usr/lib/python3/dist-packages/bcc" in build  # the venv sees Debian's binding
     # every Python distribution from the lock, hash-checked, wheels only; tracejoin itself
     # without build isolation (no unpinned setuptools download) and without dependencies
-    pips = [m.group(1) for m in re.finditer(r'pip" install (.*?)(?:&&|$)', code, re.MULTILINE)]
+    pips = [m.group(1) for m in re.finditer(r'pip" install (.*?)(?:&&|$)', build, re.MULTILINE)]
     assert len(pips) == 2, pips
     assert {"--require-hashes", "--only-binary=:all:", "-r"} <= set(pips[0].split())
     assert pips[0].split()[-1] == "/src/deploy/requirements.lock"
     assert {"--no-deps", "--no-build-isolation"} <= set(pips[1].split())
-    assert 'pip" check' in code
-    assert 'ENTRYPOINT ["tracejoin"]' in code
-    assert f'CMD ["run", "--config", "{CONFIG_FILE}"]' in code
+    assert 'pip" install' not in image
+    assert 'pip" check' in image
+    assert 'ENTRYPOINT ["tracejoin"]' in image
+    assert f'CMD ["run", "--config", "{CONFIG_FILE}"]' in image
     ignore = (DOCKERFILE.parent / "Dockerfile.dockerignore").read_text().split()
     allowed = ignore[ignore.index("*") + 1 :]
     assert allowed.count("!agent/") == 1  # allow-list, not deny-list

@@ -40,6 +40,7 @@ from tracejoin.host.doctor import (
     Status,
     _from_gpu_probe,
     _privilege_gaps,
+    check_span_encoder,
     decode_caps,
     headers_version,
     hw_cache_config,
@@ -397,3 +398,17 @@ def test_json_stays_json_when_bcc_cannot_find_headers(privileged: None) -> None:
     assert p.returncode == 1 and doc["ok"] is False
     (trial,) = [c for c in doc["checks"] if c["name"] == "bpf trial load"]
     assert trial["status"] == "unavailable" and "kernel headers" in trial["detail"]
+
+
+def test_the_span_encoder_check_says_which_join_runs(monkeypatch):
+    """The test install builds the compiled join (scripts/setup.sh installs gcc and python3-dev);
+    an install without it is told so, with the fix, and nothing else changes."""
+    from tracejoin.pipeline import span_bytes
+
+    built = check_span_encoder()
+    assert built.status is Status.AVAILABLE, built.detail
+    assert not built.required
+    monkeypatch.setattr(span_bytes, "COMPILED", False)
+    fallback = check_span_encoder()
+    assert fallback.status is Status.FALLBACK
+    assert "pure-Python" in fallback.detail and fallback.fix and "gcc" in fallback.fix

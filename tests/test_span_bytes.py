@@ -11,6 +11,7 @@ import random
 from collections.abc import Callable
 
 import pytest
+from opentelemetry.proto.trace.v1 import trace_pb2
 from records import PID, TID, record
 from tracejoin.core import record as R
 from tracejoin.core.metrics import Metrics
@@ -26,6 +27,7 @@ from tracejoin.kernel.decode import (
     REQF_TLB_HW,
     HttpRecord,
 )
+from tracejoin.pipeline import span_bytes
 from tracejoin.pipeline.span_bytes import encode_spans
 from tracejoin.pipeline.spans import SpanOptions, build_spans
 
@@ -171,8 +173,20 @@ CASES = [
 ]
 
 
+JOINS = {"compiled": span_bytes._join_c, "python": span_bytes._join_py}
+
+
+@pytest.fixture(params=list(JOINS))
+def join(request, monkeypatch):
+    """Each case on the compiled join and on the pure-Python fallback."""
+    fn = JOINS[request.param]
+    assert fn is not None, "the compiled join was not built (gcc, python3-dev: scripts/setup.sh)"
+    monkeypatch.setattr(span_bytes, "_join", fn)
+    return request.param
+
+
 @pytest.mark.parametrize(("rec", "variant", "signals", "tlb"), CASES)
-def test_encoded_spans_equal_the_object_path(rec, variant, signals, tlb):
+def test_encoded_spans_equal_the_object_path(rec, variant, signals, tlb, join):
     enricher = Enricher(Metrics(), resource)
     e = enricher.enrich(rec)
     assert e is not None
@@ -299,3 +313,36 @@ def test_the_pipeline_takes_the_object_free_path_only_when_all_can_take_it(
         assert server.trace_id == TID.to_bytes(16, "big")
         assert server.parent_span_id == PID.to_bytes(8, "big")
     assert len(seen) == (1 if observed else 0)
+
+
+@pytest.mark.parametrize(
+    "v", [0, 1, 0x7F, 0x80, 0x3FFF, 0x4000, 1 << 28, (1 << 35) + 5, (1 << 63) - 1]
+)
+def test_the_compiled_join_writes_what_the_python_one_does(v):
+    """Every varint length, between verbatim parts (an empty one too); the bytes parse as an
+    OTLP Span whose attribute holds the value."""
+    parts = [b"\x2a\x01x", span_bytes._int_key("a.b"), v, b"", span_bytes._int_key("c"), 5]
+    assert JOINS["compiled"] is not None
+    out = JOINS["compiled"](parts)
+    assert out == span_bytes._join_py(parts)
+    span = trace_pb2.Span.FromString(out)
+    assert span.name == "x"
+    assert [(a.key, a.value.int_value) for a in span.attributes] == [("a.b", v), ("c", 5)]
+
+
+def test_the_compiled_join_leaves_what_it_cannot_write_to_the_caller():
+    """Values beyond int64 raise OverflowError (encode_spans then joins in Python: the
+    'counters beyond int64' record above); malformed parts are a TypeError or ValueError."""
+    c, key = JOINS["compiled"], span_bytes._int_key("a")
+    assert c is not None
+    for v in (-1, 1 << 63, (1 << 64) - 1, 1 << 70):
+        with pytest.raises(OverflowError):
+            c([b"x", key, v])
+    with pytest.raises(TypeError):
+        c([key, "1"])
+    with pytest.raises(TypeError):
+        c([b"x", 1])
+    with pytest.raises(ValueError):
+        c([b"x", key])
+    with pytest.raises(TypeError):
+        c((b"x",))

@@ -315,7 +315,7 @@ def run_checks(options: DoctorOptions | None = None) -> Report:
     checks += check_perf_events(root, opts.perf_open or perf_event_open)
     checks += [check_uprobes(root, tracefs), check_kprobes(root, tracefs)]
     checks += check_bpf_features(opts.bpf_features or probe_features)
-    checks.append(check_headers(root, release))
+    checks += [check_headers(root, release), check_span_encoder()]
     checks.append(_from_probe("bpf trial load", "BPF", True, opts.bpf_trial or bpf_trial_load))
     checks.append(_from_probe("nvml", "GPU", False, opts.nvml_probe or nvml_status))
     checks.append(check_cuda(root))
@@ -353,6 +353,23 @@ def check_cuda(root: Path) -> Check:
     status = Status.AVAILABLE if ok else Status.UNAVAILABLE
     detail = f"{len(ok)} of {len(files)} CUDA files probeable with --cuda"
     return Check("cuda libraries", "GPU", status, detail, notes=lines, data=data)
+
+
+def check_span_encoder() -> Check:
+    """Which join writes the server spans' bytes: the compiled one, or the pure-Python fallback
+    an install without a C compiler gets (the same bytes, more CPU per span)."""
+    from tracejoin.pipeline import span_bytes
+
+    if span_bytes.COMPILED:
+        return Check("span encoder", "Build", Status.AVAILABLE, "compiled join (_span_join.c)")
+    return Check(
+        "span encoder",
+        "Build",
+        Status.FALLBACK,
+        "pure-Python join: the install had no C compiler; the same spans, more agent CPU per "
+        "span (docs/performance.md)",
+        fix="reinstall with gcc and python3-dev present (scripts/setup.sh installs them)",
+    )
 
 
 def _from_probe(name: str, group: str, required: bool, probe: Callable[[], ProbeResult]) -> Check:

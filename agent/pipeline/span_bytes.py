@@ -4,10 +4,12 @@ OTLP protobuf (`tracejoin run`, a capture whose destinations all accept encoded 
 
 Everything constant is encoded once, at import: each attribute key with its KeyValue/AnyValue
 framing for every varint length, the fixed (network.*) pair, the span kinds and statuses. Per
-record only the values are written (varints, the ids and times in one struct pack each) and
-joined. build_spans stays the reference: `test_span_bytes` builds both over a varied set of
-records and compares the parsed requests, so the attribute order here follows build_spans'
-line by line; a change to one must be made to the other.
+record this module only decides which fields the span has, in a list of parts (bytes, and each
+int attribute as its IntKey and the value), and one join writes them: `_span_join.c` where it
+was compiled at install, `_join_py` where not (the same bytes; tests run both). build_spans
+stays the reference: `test_span_bytes` builds both over a varied set of records and compares
+the request bytes, so the attribute order here follows build_spans' line by line; a change to
+one must be made to the other.
 
 Child spans (a long receive-queue wait, run-queue waits, work-set helpers, CUDA waits) keep the
 object path: they are rare and their parent only lends its ids; the OTLP encoder takes a batch
@@ -17,12 +19,13 @@ decided rather than copied (h2_call, server_status).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from tracejoin.core.model import (
     KIND_INTERNAL,
     KIND_SERVER,
     STATUS_UNSET,
+    AttrValue,
     EncodedSpan,
     Span,
 )
@@ -73,31 +76,60 @@ from tracejoin.pipeline.spans import (
     server_status,
 )
 
-IntWriter = Callable[[int], bytes]
 StrWriter = Callable[[str], bytes]
 
 _CACHE_MAX = 4096  # per string attribute; cleared when full (bounded memory, as otlp_wire's)
 
 
-def _int_writer(key: str) -> IntWriter:
-    """Span.attributes field for an int value of `key`: the framing is pre-encoded for each of
-    the 10 varint lengths, so a value costs one varint and one concatenation."""
+class IntKey(bytes):
+    """An int attribute in a span's parts (see _join_py): its KeyValue.key field and
+    KeyValue.value tag; the part after it is the value. Made once per attribute name."""
+
+    key: str  # the attribute name, for values beyond int64 (written as otlp_wire does)
+    pre: tuple[bytes, ...]  # the framing up to the varint, for each varint length 1..10
+
+
+def _int_key(key: str) -> IntKey:
     kp = key_field(key)  # KeyValue.key field + KeyValue.value tag
     if len(kp) + 12 >= 0x80:  # then a length below would not be a one-byte varint
         raise ValueError(f"attribute key too long for the pre-encoded framing: {key}")
+    k = IntKey(kp)
+    k.key = key
     # KeyValue length = key field + value tag + AnyValue length byte + (int tag + n varint bytes)
-    pre = (
+    k.pre = (
         b"",
         *(T_SPAN_ATTR + V1[len(kp) + 2 + n] + kp + V1[1 + n] + T_ANY_INT for n in range(1, 11)),
     )
+    return k
 
-    def write(v: int) -> bytes:
-        if 0 <= v <= INT64_MAX:
-            b = V1[v] if v < 0x80 else varint(v)
-            return pre[len(b)] + b
-        return T_SPAN_ATTR + kv_slow(key, v)  # beyond int64 (a string), as otlp_wire does
 
-    return write
+def _join_py(parts: list[bytes | int]) -> bytes:
+    """A span's parts -> the bytes of its OTLP Span message. A part is bytes, written as it is,
+    or an IntKey followed by an int: that attribute's field. _span_join.c is the same in C."""
+    out = []
+    values = iter(parts)
+    for x in values:
+        if type(x) is IntKey:
+            v = next(values)
+            assert isinstance(v, int)
+            if 0 <= v <= INT64_MAX:
+                b = V1[v] if v < 0x80 else varint(v)
+                out.append(x.pre[len(b)] + b)
+            else:  # beyond int64 (a string), as otlp_wire does
+                out.append(T_SPAN_ATTR + kv_slow(x.key, v))
+        else:
+            assert isinstance(x, bytes)
+            out.append(x)
+    return b"".join(out)
+
+
+try:  # the compiled join (built where a C compiler was, at install): the same bytes, faster
+    from tracejoin.pipeline._span_join import join as _join_c
+except ImportError:  # pragma: no cover - the pure-Python fallback, under the same tests
+    _join_c = None
+
+_join: Callable[[list[bytes | int]], bytes] = _join_c or _join_py
+COMPILED = _join_c is not None  # which one encode_spans uses (bench, doctor)
 
 
 def _str_writer(key: str) -> StrWriter:
@@ -124,61 +156,66 @@ def _str_writer(key: str) -> StrWriter:
     return write
 
 
-def _fixed(key: str, value: str | bool) -> bytes:
+def _attributes(attrs: Mapping[str, AttrValue]) -> bytes:
+    """Span.attributes fields by the exporters' own attribute encoder."""
     parts: list[bytes] = []
-    append_attributes(parts, T_SPAN_ATTR, {key: value})
+    append_attributes(parts, T_SPAN_ATTR, attrs)
     return b"".join(parts)
+
+
+def _fixed(key: str, value: str | bool) -> bytes:
+    return _attributes({key: value})
 
 
 # One writer per attribute of build_spans' server span, in its order.
 _METHOD = _str_writer("http.request.method")
 _PATH = _str_writer("url.path")
 _NETWORK = _fixed("network.protocol.name", "http") + _fixed("network.transport", "tcp")
-_TID = _int_writer("thread.id")
-_REQ_SIZE = _int_writer("http.request.size")
-_RESP_SIZE = _int_writer("http.response.size")
-_CONN_ID = _int_writer("tracejoin.connection.id")
-_SEQ = _int_writer("tracejoin.connection.request_seq")
+_TID = _int_key("thread.id")
+_REQ_SIZE = _int_key("http.request.size")
+_RESP_SIZE = _int_key("http.response.size")
+_CONN_ID = _int_key("tracejoin.connection.id")
+_SEQ = _int_key("tracejoin.connection.request_seq")
 _METHOD_ORIGINAL = _str_writer("http.request.method_original")
-_STATUS_CODE = _int_writer("http.response.status_code")
+_STATUS_CODE = _int_key("http.response.status_code")
 _SERVER_ADDR = _str_writer("server.address")
-_SERVER_PORT = _int_writer("server.port")
+_SERVER_PORT = _int_key("server.port")
 _CLIENT_ADDR = _str_writer("client.address")
-_CLIENT_PORT = _int_writer("client.port")
+_CLIENT_PORT = _int_key("client.port")
 _SERVICE_SOURCE = _str_writer("tracejoin.service_name.source")
 _INSTRUMENTED = _str_writer("tracejoin.instrumented.source")
 _REJECTED = _str_writer("tracejoin.traceparent.rejected")
 _PATH_TRUNCATED = _fixed("tracejoin.http.path_truncated", True)
-_RECVQ_WAIT = _int_writer("tracejoin.tcp.receive_queue_wait_ns")
-_HANDSHAKE = _int_writer("tracejoin.tcp.handshake_to_first_read_ns")
-_TTFB = _int_writer("tracejoin.http.time_to_first_response_byte_ns")
-_RETRANS = _int_writer("tracejoin.tcp.retransmits")
-_SRTT = _int_writer("tracejoin.tcp.srtt_us")
-_UNACKED = _int_writer("tracejoin.tcp.unacked_max_bytes")
-_RUNQ = _int_writer("tracejoin.sched.runq_wait_ns")
-_RUNQ_MAX = _int_writer("tracejoin.sched.runq_wait_max_ns")
-_OFFCPU = _int_writer("tracejoin.sched.offcpu_ns")
-_SWITCHES = _int_writer("tracejoin.sched.context_switches")
-_MINFLT = _int_writer("tracejoin.mm.minor_faults")
-_MAJFLT = _int_writer("tracejoin.mm.major_faults")
-_WS_THREADS = _int_writer("tracejoin.work.threads")
-_WS_PROCESSES = _int_writer("tracejoin.work.processes")
-_WS_ONCPU = _int_writer("tracejoin.work.on_cpu_ns")
-_WS_READER_ONCPU = _int_writer("tracejoin.work.reader_on_cpu_ns")
-_WS_SHARED_WITH = _int_writer("tracejoin.work.shared_with_max")
-_WS_UNEXPLAINED = _int_writer("tracejoin.work.unexplained_wait_ns")
-_WS_REFUSED = _int_writer("tracejoin.work.threads_refused")
-_WS_UNSLOTTED = _int_writer("tracejoin.work.helpers_without_span")
+_RECVQ_WAIT = _int_key("tracejoin.tcp.receive_queue_wait_ns")
+_HANDSHAKE = _int_key("tracejoin.tcp.handshake_to_first_read_ns")
+_TTFB = _int_key("tracejoin.http.time_to_first_response_byte_ns")
+_RETRANS = _int_key("tracejoin.tcp.retransmits")
+_SRTT = _int_key("tracejoin.tcp.srtt_us")
+_UNACKED = _int_key("tracejoin.tcp.unacked_max_bytes")
+_RUNQ = _int_key("tracejoin.sched.runq_wait_ns")
+_RUNQ_MAX = _int_key("tracejoin.sched.runq_wait_max_ns")
+_OFFCPU = _int_key("tracejoin.sched.offcpu_ns")
+_SWITCHES = _int_key("tracejoin.sched.context_switches")
+_MINFLT = _int_key("tracejoin.mm.minor_faults")
+_MAJFLT = _int_key("tracejoin.mm.major_faults")
+_WS_THREADS = _int_key("tracejoin.work.threads")
+_WS_PROCESSES = _int_key("tracejoin.work.processes")
+_WS_ONCPU = _int_key("tracejoin.work.on_cpu_ns")
+_WS_READER_ONCPU = _int_key("tracejoin.work.reader_on_cpu_ns")
+_WS_SHARED_WITH = _int_key("tracejoin.work.shared_with_max")
+_WS_UNEXPLAINED = _int_key("tracejoin.work.unexplained_wait_ns")
+_WS_REFUSED = _int_key("tracejoin.work.threads_refused")
+_WS_UNSLOTTED = _int_key("tracejoin.work.helpers_without_span")
 _UNFRAMED = _fixed("tracejoin.http.response_unframed", True)
 _H2 = _fixed("network.protocol.version", "2")
-_H2_STREAM = _int_writer("tracejoin.http2.stream_id")
+_H2_STREAM = _int_key("tracejoin.http2.stream_id")
 _H2_ENDED = _str_writer("tracejoin.http2.ended_by")
 _H2_UNRESOLVED = _fixed("tracejoin.http2.field_unresolved", True)
 _RPC_GRPC = _fixed("rpc.system", "grpc")
-_GRPC_CODE = _int_writer("rpc.grpc.status_code")
+_GRPC_CODE = _int_key("rpc.grpc.status_code")
 _RPC_SERVICE = _str_writer("rpc.service")
 _RPC_METHOD = _str_writer("rpc.method")
-_tlb_writers: dict[str, IntWriter] = {}
+_tlb_keys: dict[str, IntKey] = {}
 
 _KIND = {k: T_SPAN_KIND + V1[k] for k in (KIND_SERVER, KIND_INTERNAL)}
 
@@ -209,11 +246,11 @@ def _status_field(status: tuple[int, str]) -> bytes:
     return got
 
 
-def _tlb(name: str) -> IntWriter:
-    w = _tlb_writers.get(name)
-    if w is None:
-        w = _tlb_writers[name] = _int_writer(name)
-    return w
+def _tlb(name: str) -> IntKey:
+    k = _tlb_keys.get(name)
+    if k is None:
+        k = _tlb_keys[name] = _int_key(name)
+    return k
 
 
 def encode_spans(
@@ -235,7 +272,7 @@ def encode_spans(
     # start_mono_ns/end_mono_ns, inline)
     arrival_ns, read_ns, off = rec.arrival_ns, rec.read_ns, e.clock_offset_ns
     queued = 0 < arrival_ns <= read_ns
-    p = [
+    p: list[bytes | int] = [
         span_head(
             e.trace_id,
             span_id,
@@ -251,35 +288,42 @@ def encode_spans(
         _METHOD(method),
         _PATH(path),
         _NETWORK,
-        _TID(rec.tid),
-        _REQ_SIZE(rec.req_bytes),
-        _RESP_SIZE(rec.resp_bytes),
-        _CONN_ID(rec.conn_id),
-        _SEQ(rec.seq),
+        _TID,
+        rec.tid,
+        _REQ_SIZE,
+        rec.req_bytes,
+        _RESP_SIZE,
+        rec.resp_bytes,
+        _CONN_ID,
+        rec.conn_id,
+        _SEQ,
+        rec.seq,
     ]
     if method_original is not None:
         p.append(_METHOD_ORIGINAL(method_original))
     status = rec.status
     if status:
-        p.append(_STATUS_CODE(status))
+        p += (_STATUS_CODE, status)
     if h2:  # build_spans' HTTP/2 block, in its order
-        p += (_H2, _H2_STREAM(rec.seq))
+        p += (_H2, _H2_STREAM, rec.seq)
         ended_by = _h2_ended_by(h2_flags)
         if ended_by:
             p.append(_H2_ENDED(ended_by))
         if h2_flags & H2F_UNRESOLVED:
             p.append(_H2_UNRESOLVED)
         if grpc_code is not None:
-            p += (_RPC_GRPC, _GRPC_CODE(grpc_code))
+            p += (_RPC_GRPC, _GRPC_CODE, grpc_code)
         if call is not None:
             p += (_RPC_SERVICE(call[0]), _RPC_METHOD(call[1]))
     ep = e.endpoints
     if ep is not None:
         p += (
             _SERVER_ADDR(ep.local_addr),
-            _SERVER_PORT(ep.local_port),
+            _SERVER_PORT,
+            ep.local_port,
             _CLIENT_ADDR(ep.peer_addr),
-            _CLIENT_PORT(ep.peer_port),
+            _CLIENT_PORT,
+            ep.peer_port,
         )
     if e.service_name_source:
         p.append(_SERVICE_SOURCE(e.service_name_source))
@@ -290,61 +334,74 @@ def encode_spans(
     if flags & REQF_PATH_TRUNC:
         p.append(_PATH_TRUNCATED)
     if queued and SIG_RECVQ in on:
-        p.append(_RECVQ_WAIT(read_ns - arrival_ns))
+        p += (_RECVQ_WAIT, read_ns - arrival_ns)
     if flags & REQF_FIRST_ON_CONN and 0 < rec.est_ns <= read_ns:
-        p.append(_HANDSHAKE(read_ns - rec.est_ns))
+        p += (_HANDSHAKE, read_ns - rec.est_ns)
     if rec.resp_start_ns:
-        p.append(_TTFB(max(0, rec.resp_start_ns - read_ns)))
+        p += (_TTFB, max(0, rec.resp_start_ns - read_ns))
     if SIG_TCP_STATS in on:
-        p.append(_RETRANS(rec.retrans))
+        p += (_RETRANS, rec.retrans)
         if rec.srtt_us:
-            p.append(_SRTT(rec.srtt_us))
+            p += (_SRTT, rec.srtt_us)
         if rec.unacked_max:
-            p.append(_UNACKED(rec.unacked_max))
+            p += (_UNACKED, rec.unacked_max)
     tracked = _tracked(rec, on)
     measured = tracked if SIG_WORKSET in on else bool(rec.ws_flags & WSF_STATS)
     if measured:
         if SIG_SCHED in on:
             p += (
-                _RUNQ(rec.runq_ns),
-                _RUNQ_MAX(rec.runq_max_ns),
-                _OFFCPU(rec.offcpu_ns),
-                _SWITCHES(rec.nr_switches),
+                _RUNQ,
+                rec.runq_ns,
+                _RUNQ_MAX,
+                rec.runq_max_ns,
+                _OFFCPU,
+                rec.offcpu_ns,
+                _SWITCHES,
+                rec.nr_switches,
             )
         if SIG_FAULTS in on:
-            p += (_MINFLT(rec.minflt), _MAJFLT(rec.majflt))
+            p += (_MINFLT, rec.minflt, _MAJFLT, rec.majflt)
     tlb = _tlb_names(rec, opts)
     if measured:
         for name, v in zip(tlb, (rec.tlb_a, rec.tlb_b), strict=False):
-            p.append(_tlb(name)(v))
+            p += (_tlb(name), v)
     if tracked:  # spans._work_attributes, in its order
         ws_flags, oncpu = rec.ws_flags, rec.oncpu_ns
         p += (
-            _WS_THREADS(rec.ws_threads),
-            _WS_PROCESSES(rec.ws_processes),
-            _WS_ONCPU(oncpu),
-            _WS_READER_ONCPU(max(0, oncpu - rec.helper_oncpu_ns)),
-            _WS_SHARED_WITH(rec.ws_shared_with_max),
+            _WS_THREADS,
+            rec.ws_threads,
+            _WS_PROCESSES,
+            rec.ws_processes,
+            _WS_ONCPU,
+            oncpu,
+            _WS_READER_ONCPU,
+            max(0, oncpu - rec.helper_oncpu_ns),
+            _WS_SHARED_WITH,
+            rec.ws_shared_with_max,
         )
         if not ws_flags & WSF_NO_GAP:
-            p.append(_WS_UNEXPLAINED(rec.unexplained_wait_ns))
+            p += (_WS_UNEXPLAINED, rec.unexplained_wait_ns)
         if ws_flags & WSF_CAP:
-            p.append(_WS_REFUSED(rec.ws_refused))
+            p += (_WS_REFUSED, rec.ws_refused)
         if rec.ws_unslotted:
-            p.append(_WS_UNSLOTTED(rec.ws_unslotted))
+            p += (_WS_UNSLOTTED, rec.ws_unslotted)
         # The shared parts and CUDA's sums vary in number and name (and are rarer): built as
         # build_spans builds them, written by the exporters' own attribute encoder.
         shared = _shared_work_attributes(rec, on, tlb)
         if shared:
-            append_attributes(p, T_SPAN_ATTR, shared)
+            p.append(_attributes(shared))
     if _cuda(rec, on, tracked):
-        append_attributes(p, T_SPAN_ATTR, _cuda_attributes(rec, on))
+        p.append(_attributes(_cuda_attributes(rec, on)))
     if flags & REQF_RESP_UNTERM:
         p.append(_UNFRAMED)
     if e.gpu:  # tracejoin.gpu.*: no name above, so appending keeps build_spans' dict order
-        append_attributes(p, T_SPAN_ATTR, e.gpu)
+        p.append(_attributes(e.gpu))
     p.append(_status_field(server_status(rec, grpc_code)))
-    out: list[Span | EncodedSpan] = [EncodedSpan(e.resource, b"".join(p))]
+    try:
+        body = _join(p)
+    except OverflowError:  # an int beyond int64: the compiled join leaves those to Python's
+        body = _join_py(p)
+    out: list[Span | EncodedSpan] = [EncodedSpan(e.resource, body)]
     if needs_children(rec, opts):
         # the children's parent: only its ids, resource and flags are read
         parent = Span(
