@@ -106,20 +106,19 @@ def _int_key(key: str) -> IntKey:
 def _join_py(parts: list[bytes | int]) -> bytes:
     """A span's parts -> the bytes of its OTLP Span message. A part is bytes, written as it is,
     or an IntKey followed by an int: that attribute's field. _span_join.c is the same in C."""
-    out = []
+    out: list[bytes] = []
+    add = out.append
     values = iter(parts)
     for x in values:
-        if type(x) is IntKey:
-            v = next(values)
-            assert isinstance(v, int)
+        if x.__class__ is IntKey:
+            v: int = next(values)  # type: ignore[assignment]
             if 0 <= v <= INT64_MAX:
                 b = V1[v] if v < 0x80 else varint(v)
-                out.append(x.pre[len(b)] + b)
+                add(x.pre[len(b)] + b)
             else:  # beyond int64 (a string), as otlp_wire does
-                out.append(T_SPAN_ATTR + kv_slow(x.key, v))
+                add(T_SPAN_ATTR + kv_slow(x.key, v))
         else:
-            assert isinstance(x, bytes)
-            out.append(x)
+            add(x)  # type: ignore[arg-type]
     return b"".join(out)
 
 
