@@ -126,6 +126,9 @@ def expected_wheel_files() -> set[str]:
                 else (ROOT / folder).glob(pattern)
             )
             out.update(f"{prefix}/{p.relative_to(ROOT / folder)}" for p in paths)
+    # the compiled extensions, built for this interpreter (their C sources do not ship)
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    out.update(ext["name"].replace(".", "/") + suffix for ext in SETUPTOOLS.get("ext-modules", []))
     return out
 
 
@@ -143,7 +146,9 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     for folder in PACKAGE_DIRS.values():
-        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(
+            ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.so")
+        )
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
     subprocess.run(
         [*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp), str(src)],
@@ -164,6 +169,7 @@ def test_the_wheel_installs_only_the_tracejoin_package(wheel: Path) -> None:
     shipped = {n for n in names if not n.startswith(dist_info + "/")}
     assert shipped == expected_wheel_files()
     assert {"tracejoin/bpf/http.c", "tracejoin/bpf/http_record.h"} <= shipped
+    assert any(n.startswith("tracejoin/pipeline/_span_join.") for n in shipped)
 
 
 # ------------------------------------------------------------ beside unrelated agent/exporters
