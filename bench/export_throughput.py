@@ -466,10 +466,11 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['builder_server_span_attributes']} attributes on the server span): "
         f"{result['ratio']:.2f}x"
     )
-    lines.append(
-        f"ratio (tracejoin_encoded_path / sdk, the same spans, server span without objects): "
-        f"{result['ratio_encoded_path']:.2f}x"
-    )
+    if "ratio_encoded_path" in result:  # results from before the object-free path lack it
+        lines.append(
+            f"ratio (tracejoin_encoded_path / sdk, the same spans, server span without objects): "
+            f"{result['ratio_encoded_path']:.2f}x"
+        )
     lines.append(
         f"ratio (tracejoin_encode / synthetic_sdk, encode only): {result['ratio_encode_only']:.2f}x"
     )
