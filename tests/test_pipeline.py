@@ -154,6 +154,47 @@ def test_shutdown_detaches_before_it_drains_and_loses_nothing_queued():
     assert source.calls.count("shutdown") == 1
 
 
+class StuckDetachSource(FakeSource):
+    """A source whose detach blocks until released, as a tracepoint detach does while the kernel
+    verifier keeps a CPU busy (HTTP/2's programs after ready)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def detach(self) -> None:
+        self.calls.append("detach")
+        self.release.wait(30)
+        with self._lock:
+            self.detached = True
+
+
+def test_shutdown_holds_its_bound_while_the_detach_is_stuck():
+    """The detach gets at most the shutdown's deadline; then what the ring buffer holds is
+    still drained and exported, the source is told to shut down (it leaves what is attached to
+    the process's exit) and the destinations are flushed, all while the detach is blocked."""
+    source = StuckDetachSource()
+    pipe, memory, metrics = pipeline_over(source)
+    pipe.start()
+    pipe.pause_reading(True)
+    ids = []
+    for i in range(20):
+        data, trace_id = traced(i)
+        source.push(data)
+        ids.append(trace_id)
+    try:
+        pipe.shutdown(0.3)
+        assert not source.release.is_set() and not source.detached  # returned while stuck
+        assert source.calls[0] == "detach"
+        assert source.calls.index("drain") > 0
+        assert "shutdown" in source.calls
+        assert source.calls[-1] == "destination_shutdown"
+        assert sorted(s.trace_id for s in memory.spans if s.kind == KIND_SERVER) == sorted(ids)
+        assert metrics.get("records_received") == 20
+    finally:
+        source.release.set()
+
+
 class FakeGpu:
     def __init__(self) -> None:
         self.covered = 0

@@ -7,14 +7,16 @@ reported once and counted in self-metrics (`probe_mode`), and the rest runs.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -255,6 +257,24 @@ def load_programs(bpf: Any, programs: Sequence[tuple[str, int]], workers: int) -
     return [f.result().fd for f in futures]
 
 
+def run_concurrently(calls: list[Callable[[], object]], workers: int = 16) -> None:
+    """Run blocking calls (detaches) at once; the first failure is raised after all returned.
+    Each tracepoint's detach waits for an RCU grace period in the kernel (tracepoint
+    unregistration): one after another that is ~50 of them, seconds while the verifier keeps a
+    CPU busy (HTTP/2's programs after ready); at once they share grace periods. ctypes
+    releases the GIL for each call."""
+    if len(calls) <= 1:
+        for call in calls:
+            call()
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tracejoin-detach") as pool:
+        futures = [pool.submit(call) for call in calls]
+    for f in futures:
+        f.result()
+
+
 class HttpProbes:
     """The kernel half of the pipeline, and the pipeline's record source. start() compiles and
     attaches; poll() returns the raw records the ring buffer holds; detach() stops every program
@@ -269,6 +289,7 @@ class HttpProbes:
         self._batch: list[bytes] = []
         self.cuda: CudaProbes | None = None
         self._h2_loader: threading.Thread | None = None
+        self._detaching = False  # detach() has begun and not returned (shutdown() checks it)
 
     # -- build ---------------------------------------------------------------------------
 
@@ -567,14 +588,18 @@ class HttpProbes:
         bpf: Any = self._bpf
         if bpf is None:
             return
-        for tp in list(bpf.tracepoint_fds):
-            bpf.detach_tracepoint(tp)
-        for raw in list(bpf.raw_tracepoint_fds):
-            bpf.detach_raw_tracepoint(raw)
-        for ev_type, ev_config in list(bpf.open_perf_events):
-            bpf.detach_perf_event(ev_type, ev_config)
-        for ev_name in list(bpf.uprobe_fds):  # CUDA (agent/kernel/cuda.py)
-            bpf.detach_uprobe_event(ev_name)
+        detaches: list[Callable[[], object]] = [
+            *(partial(bpf.detach_tracepoint, tp) for tp in list(bpf.tracepoint_fds)),
+            *(partial(bpf.detach_raw_tracepoint, raw) for raw in list(bpf.raw_tracepoint_fds)),
+            *(partial(bpf.detach_perf_event, *ev) for ev in list(bpf.open_perf_events)),
+            # CUDA (agent/kernel/cuda.py)
+            *(partial(bpf.detach_uprobe_event, ev) for ev in list(bpf.uprobe_fds)),
+        ]
+        self._detaching = True
+        try:
+            run_concurrently(detaches)
+        finally:
+            self._detaching = False
         self.cuda = None  # no rescans (they would attach again)
 
     def kernel_counters(self) -> dict[str, int]:
@@ -599,14 +624,20 @@ class HttpProbes:
         return {name: len(list(bpf[name.encode()].keys())) for name in names}
 
     def shutdown(self) -> None:
-        bpf, self._bpf = self._bpf, None
-        if self._h2_loader is not None and self._h2_loader.is_alive():
-            # still verifying: freeing the module under it would crash in libbcc; the process
-            # is exiting (tracejoin run), and exit closes every program and map
-            log.info("HTTP/2 programs still loading at shutdown: left to the process's exit")
+        bpf: Any = self._bpf
+        self._bpf = None
+        busy = "HTTP/2 programs still loading" if self.loading else ""
+        busy = busy or ("probes still detaching" if self._detaching else "")
+        if bpf is not None and busy:
+            # freeing the module under a thread still in libbcc would crash it; the process is
+            # exiting (tracejoin run), and exit closes every program and map. So BCC's own
+            # exit-time cleanup is called off too (it would free the module the same way, or
+            # detach one by one past the shutdown bound).
+            atexit.unregister(bpf.cleanup)
+            log.info("%s at shutdown: left to the process's exit", busy)
             return
         if bpf is not None:
-            bpf.cleanup()  # type: ignore[attr-defined]
+            bpf.cleanup()
 
 
 _PID_AT = HttpRecord.pid.offset

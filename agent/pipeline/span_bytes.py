@@ -166,7 +166,7 @@ def _fixed(key: str, value: str | bool) -> bytes:
     return _attributes({key: value})
 
 
-# One writer per attribute of build_spans' server span, in its order.
+# One writer (strings) or IntKey (ints) per attribute of build_spans' server span, in its order.
 _METHOD = _str_writer("http.request.method")
 _PATH = _str_writer("url.path")
 _NETWORK = _fixed("network.protocol.name", "http") + _fixed("network.transport", "tcp")

@@ -280,6 +280,20 @@ class Pipeline:
                 self._unsampled_folded = kept
         return counters
 
+    def _detach(self, deadline: float) -> None:
+        """Detach the source, waiting at most until the deadline. A tracepoint's detach waits
+        for the kernel (an RCU grace period); while the verifier keeps a CPU busy (HTTP/2's
+        programs after ready) that can take seconds, and the bound holds regardless: the
+        drain and flush go on, and the source's shutdown leaves what is still attached to the
+        process's exit."""
+        t = threading.Thread(
+            target=_detach_or_log, args=(self.source,), name="tracejoin-detach", daemon=True
+        )
+        t.start()
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            log.warning("detaching the probes outlasted the shutdown bound; the exit releases them")
+
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Idempotent. Detach the source so nothing new arrives, drain what it already queued,
         release held records, then give the destinations what is left of the deadline."""
@@ -291,7 +305,7 @@ class Pipeline:
         if self._reader is not None:
             self._reader.join(timeout=1.0)
         try:
-            self.source.detach()
+            self._detach(deadline)
             for _ in range(DRAIN_ROUNDS):
                 batch = self.source.poll(0)
                 if not batch:
@@ -304,6 +318,13 @@ class Pipeline:
             log.exception("final drain failed")
         self.source.shutdown()
         flush_in_parallel(self.destinations, deadline)
+
+
+def _detach_or_log(source: RecordSource) -> None:
+    try:
+        source.detach()
+    except Exception:
+        log.exception("detaching the source failed")
 
 
 # A destination whose export hangs waits for it until the deadline, then counts what it abandons
