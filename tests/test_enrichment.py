@@ -31,11 +31,10 @@ def test_receive_queue_wait_matches_the_servers_delay(agent, sleep_ms):
         waits = [
             _get(agent, port, f"/q{i}")["tracejoin.tcp.receive_queue_wait_ns"] for i in range(3)
         ]
+    # the server reads after sleep_ms; on a loaded 2-core host its thread can wait for a CPU
+    # some ms more (CI saw 22 ms once with no sleep), the same slack for every delay
     for w in waits:
-        if sleep_ms:
-            assert sleep_ms * 1e6 <= w < (sleep_ms + 25) * 1e6, waits
-        else:
-            assert w < 5e6, waits
+        assert sleep_ms * 1e6 <= w < (sleep_ms + 25) * 1e6, waits
 
 
 def test_receive_queue_wait_is_a_child_span(agent):
