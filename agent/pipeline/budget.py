@@ -19,6 +19,9 @@ DEFAULT_CPU_BUDGET = 0.5  # a share of one CPU; the DaemonSet's CPU limit is 1
 MIN_RATIO = 1 / 1024  # never shed everything: some traces always get through
 RAISE_BELOW = 0.7  # raise the ratio while the agent uses less than this share of its budget
 OVER_TICKS = 2  # consecutive readings above the budget before lowering (start-up, GC, a blip)
+# Readings closer than this to the last one are ignored: /metrics scrapes read too, and a share
+# over a few ms is noise (two of them right after HTTP/2's verification once shed 30 %).
+MIN_INTERVAL_S = 0.9
 
 
 @dataclass
@@ -44,7 +47,10 @@ class BudgetController:
         self._over = 0
 
     def update(self, now_s: float, cpu_s: float, ringbuf_full: int) -> float:
-        last, self._last = self._last, (now_s, cpu_s, ringbuf_full)
+        last = self._last
+        if last is not None and 0 < now_s - last[0] < MIN_INTERVAL_S:
+            return self.ratio  # too soon: the interval runs on from the last reading
+        self._last = (now_s, cpu_s, ringbuf_full)
         if last is None or self.budget <= 0 or now_s <= last[0]:
             return self.ratio
         self.share = share = max(0.0, cpu_s - last[1]) / (now_s - last[0])
