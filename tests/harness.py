@@ -223,6 +223,30 @@ def go_server_binary() -> Path:
     return out
 
 
+# Each request the kernel ends is counted in exactly one of these: a record, an aggregate, or
+# shed by the overload budget.
+DECIDED = (
+    "records_submitted",
+    "unsampled_aggregated",
+    "no_parent_aggregated",
+    "sampled_out_budget",
+)
+
+
+def wait_decided(
+    counters: Callable[[], dict[str, int]], since: dict[str, int], n: int, timeout_s: float
+) -> dict[str, int]:
+    """The kernel counters once `n` requests since `since` have been decided (or `timeout_s`
+    passed). The client can read a response before the server's syscall exit, where the kernel
+    ends that request, has run: counters read at once can miss the last one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = counters()
+        if sum(now[c] - since[c] for c in DECIDED) >= n or time.monotonic() > deadline:
+            return now
+        time.sleep(0.01)
+
+
 def raw_request(port: int, payload: bytes, read: bool = True, timeout_s: float = 5.0) -> bytes:
     """Send raw bytes on a fresh connection; return what came back until close or timeout."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from harness import Agent, free_ports, server
+from harness import Agent, free_ports, server, wait_decided
 from hostile import Conn
 from tracejoin.core.model import KIND_SERVER
 from tracejoin.enrich import traceparent
@@ -40,32 +40,15 @@ class Agg:
         got = self.agent.source.aggregates().get(why, {})
         return got.get((self.pid, self.port), (0, 0, [0] * 24))
 
-    def decided(self) -> int:
-        """Requests the kernel has ended one way or another (a record, or an aggregate)."""
-        k = self.kernel()
-        return sum(k[c] for c in DECIDED)
-
     def send(self, path: str, *headers: bytes) -> None:
-        """One request on its own connection; returns once the kernel has decided it. The
-        client can read the response before the server's syscall exit, where the kernel ends
-        the request, has run: counters read at once would miss it (and count it for the next)."""
-        before = self.decided()
+        """One request on its own connection; returns once the kernel has decided it (counters
+        read at once would miss it, and count it for the next)."""
+        before = self.kernel()
         conn = Conn(self.port)
         head = b"".join(h + b"\r\n" for h in headers)
         assert conn.request(b"GET " + path.encode() + b" HTTP/1.1\r\nHost: t\r\n" + head + b"\r\n")
         conn.close()
-        deadline = time.monotonic() + 2
-        while self.decided() <= before and time.monotonic() < deadline:
-            time.sleep(0.01)
-
-
-# each request ends in exactly one of these
-DECIDED = (
-    "records_submitted",
-    "unsampled_aggregated",
-    "no_parent_aggregated",
-    "sampled_out_budget",
-)
+        wait_decided(self.kernel, before, 1, 2.0)
 
 
 @pytest.fixture(scope="module")

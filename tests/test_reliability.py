@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from harness import Agent, free_ports, server
+from harness import Agent, free_ports, server, wait_decided
 from hostile import (
     OWN,
     POISON,
@@ -305,15 +305,7 @@ def test_budget_sheds_the_same_trace_ids_as_the_otel_sampler(rel):
         conn.close()
     finally:
         probes.set_sampling(1.0)
-    # The client can read the last response before the server's syscall exit, where the kernel
-    # ends (keeps or sheds) that request, has run: wait until every request is one or the other.
-    deadline = time.monotonic() + 5
-    while True:
-        k1 = pipe.kernel_counters()
-        decided = sum(k1[c] - k0[c] for c in ("records_submitted", "sampled_out_budget"))
-        if decided >= len(sent) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    k1 = wait_decided(pipe.kernel_counters, k0, len(sent), 5.0)  # every one kept or shed
     shed_n = k1["sampled_out_budget"] - k0["sampled_out_budget"]
     report(f"budget at {ratio}: kept {len(keep)} of {len(sent)}, kernel shed {shed_n}")
     assert k1["records_submitted"] - k0["records_submitted"] == len(keep)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.record import (
@@ -239,40 +239,32 @@ class ProbeStatus:
     code_released_bytes: int = 0
 
 
+T = TypeVar("T")
+
+
 def _ncpus() -> int:
     return os.cpu_count() or 1
 
 
+def run_concurrently(calls: Sequence[Callable[[], T]], workers: int, name: str) -> list[T]:
+    """Run blocking calls, up to `workers` at once, and return their results in order; the
+    first failure is raised, after every call has returned. For calls that block in the kernel
+    (ctypes releases the GIL for them): program loads and detaches."""
+    if workers <= 1 or len(calls) <= 1:
+        return [call() for call in calls]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"tracejoin-{name}") as pool:
+        futures = [pool.submit(call) for call in calls]
+    return [f.result() for f in futures]
+
+
 def load_programs(bpf: Any, programs: Sequence[tuple[str, int]], workers: int) -> list[int]:
     """Load (verify) BCC functions, up to `workers` at once, and return their fds in order.
-    The kernel verifies a program in the thread that loads it, and ctypes releases the GIL
-    for the call, so on idle CPUs the wall time falls to the slowest program's
-    (`bench.startup --verify`). The first failure is raised, after every load has returned."""
-    if workers <= 1 or len(programs) <= 1:
-        return [bpf.load_func(name.encode(), kind).fd for name, kind in programs]
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tracejoin-verify") as pool:
-        futures = [pool.submit(bpf.load_func, name.encode(), kind) for name, kind in programs]
-    return [f.result().fd for f in futures]
-
-
-def run_concurrently(calls: list[Callable[[], object]], workers: int = 16) -> None:
-    """Run blocking calls (detaches) at once; the first failure is raised after all returned.
-    Each tracepoint's detach waits for an RCU grace period in the kernel (tracepoint
-    unregistration): one after another that is ~50 of them, seconds while the verifier keeps a
-    CPU busy (HTTP/2's programs after ready); at once they share grace periods. ctypes
-    releases the GIL for each call."""
-    if len(calls) <= 1:
-        for call in calls:
-            call()
-        return
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tracejoin-detach") as pool:
-        futures = [pool.submit(call) for call in calls]
-    for f in futures:
-        f.result()
+    The kernel verifies a program in the thread that loads it, so on idle CPUs the wall time
+    falls to the slowest program's (`bench.startup --verify`)."""
+    loads = [partial(bpf.load_func, name.encode(), kind) for name, kind in programs]
+    return [fn.fd for fn in run_concurrently(loads, workers, "verify")]
 
 
 class HttpProbes:
@@ -597,7 +589,10 @@ class HttpProbes:
         ]
         self._detaching = True
         try:
-            run_concurrently(detaches)
+            # Each tracepoint's detach waits for an RCU grace period in the kernel: one after
+            # another that is ~50 of them, seconds while the verifier keeps a CPU busy
+            # (HTTP/2's programs after ready); at once they share grace periods.
+            run_concurrently(detaches, 16, "detach")
         finally:
             self._detaching = False
         self.cuda = None  # no rescans (they would attach again)
