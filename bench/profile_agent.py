@@ -3,7 +3,7 @@
     sudo python -m bench.profile_agent [--rate 1000] [--seconds 5] [--top 20] [--no-profile]
                                         [--batch-ms N] [--destination otlp|file] [--gc]
                                         [--unsampled] [--kernel-policy on|off]
-                                        [--join compiled|python]
+                                        [--join compiled|python] [--ring compiled|bcc]
 
 Builds the pipeline the way `tracejoin run` does (the daemon's span builder and destination:
 OTLP/HTTP protobuf to bench/otlp_sink, or the OTLP-JSON file on tmpfs), starts the Go test
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import gc
 import io
 import os
@@ -84,6 +85,7 @@ def run_once(
     sink_port: int | None = None,
     unsampled: bool = False,
     kernel_policy: bool = True,
+    ring: str = "compiled",
 ) -> dict[str, Any]:
     from tracejoin.app import build_agent, file_destination, otlp_destination
     from tracejoin.config import Settings
@@ -102,6 +104,8 @@ def run_once(
         else file_destination(tmp / "spans.otlp.jsonl", settings, metrics)
     )
     agent = build_agent(settings, metrics, [dest])
+    if ring == "bcc":  # the fallback reader: BCC's, one Python callback per record
+        agent.source.config = dataclasses.replace(agent.source.config, compiled_ring=False)
     if not kernel_policy:  # as before issue 13: every record crosses and user space decides
         agent.source.set_policy = lambda **_kw: None  # type: ignore[attr-defined]
     reader = Watched("reader", lambda: None, profile)
@@ -207,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
         default="compiled",
         help="span_bytes' join: the compiled one (as installed) or the pure-Python fallback",
     )
+    ap.add_argument(
+        "--ring",
+        choices=["compiled", "bcc"],
+        default="compiled",
+        help="the records ring's reader: the compiled consumer (as installed) or BCC's, one "
+        "Python callback per record (the fallback)",
+    )
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("profile_agent: must run as root (BPF)", file=sys.stderr)
@@ -225,7 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         stack.enter_context(m.go_server(port, 1))
         sink = stack.enter_context(m.otlp_sink(0)) if args.destination == "otlp" else None
-        policy = {"unsampled": args.unsampled, "kernel_policy": args.kernel_policy == "on"}
+        policy = {
+            "unsampled": args.unsampled,
+            "kernel_policy": args.kernel_policy == "on",
+            "ring": args.ring,
+        }
         plain = run_once(port, args.rate, args.seconds, False, args.batch_ms, sink, **policy)
         print(
             f"unprofiled: {plain['records']:,} records for {plain['requests']:,} requests "

@@ -40,6 +40,7 @@ from tracejoin.host.doctor import (
     Status,
     _from_gpu_probe,
     _privilege_gaps,
+    check_ring_reader,
     check_span_encoder,
     decode_caps,
     headers_version,
@@ -412,3 +413,15 @@ def test_the_span_encoder_check_says_which_join_runs(monkeypatch):
     fallback = check_span_encoder()
     assert fallback.status is Status.FALLBACK
     assert "pure-Python" in fallback.detail and fallback.fix and "gcc" in fallback.fix
+
+
+def test_the_ring_reader_check_says_which_reader_runs(monkeypatch):
+    from tracejoin.kernel import ring
+
+    built = check_ring_reader()
+    assert built.status is Status.AVAILABLE, built.detail
+    assert not built.required
+    monkeypatch.setattr(ring, "COMPILED", False)
+    fallback = check_ring_reader()
+    assert fallback.status is Status.FALLBACK
+    assert "callback per record" in fallback.detail and fallback.fix and "gcc" in fallback.fix

@@ -251,13 +251,32 @@ def test_batched_reading_keeps_the_loss_identity_exact(rel):
     """The reader takes the ring on a timer and the kernel wakes it only every WAKE_EVERY
     records per CPU: a burst of three rings' worth, read while it arrives, still adds up exactly
     (submitted == received + ringbuf_full), arrives in batches, and makes one span each."""
-    agent, m = rel.agent, rel.agent.metrics
-    pipe = agent.pipeline
+    assert rel.agent.source._ring is not None, "the compiled ring reader reads (setup.sh builds it)"
+    _burst_adds_up(rel.agent, rel.go_port, "/batch")
+
+
+def test_bccs_reader_keeps_the_loss_identity_exact(privileged):
+    """The fallback reader (BCC's, one Python callback per record: an install without a C
+    compiler) under the same burst: the same exact identity, one span per record."""
+    (port,) = free_ports(1)
+    with server("go", port) as go:
+        cfg = ProbeConfig(ports=(port,), pids=(go.pid,), compiled_ring=False)
+        a = Agent([port], None, probe_config=cfg)
+        a.start()
+        try:
+            assert a.source._ring is None, "BCC's reader reads"
+            _burst_adds_up(a, port, "/bcc")
+        finally:
+            a.shutdown()
+
+
+def _burst_adds_up(agent: Agent, port: int, prefix: str) -> None:
+    m, pipe = agent.metrics, agent.pipeline
     n = RINGBUF_RECORDS * 3
     k0 = pipe.kernel_counters()
     recv0, batches0 = m.get("records_received"), m.get("record_batches")
     drop0 = m.total("records_dropped_userspace")
-    sent = keepalive_load(rel.go_port, n, conns=8, prefix="/batch")
+    sent = keepalive_load(port, n, conns=8, prefix=prefix)
     k1 = pipe.kernel_counters()
     submitted = k1["records_submitted"] - k0["records_submitted"]
     full = k1["ringbuf_full"] - k0["ringbuf_full"]
@@ -272,7 +291,7 @@ def test_batched_reading_keeps_the_loss_identity_exact(rel):
     assert k1["sampled_out_budget"] == k0["sampled_out_budget"], "nothing shed at ratio 1"
     assert 0 < batches < received / 4, "records arrive many per wake-up"
     _assert_one_span_per_record(
-        agent, m.total("records_dropped_userspace") - drop0, received, sent, "/batch/"
+        agent, m.total("records_dropped_userspace") - drop0, received, sent, prefix + "/"
     )
 
 

@@ -315,7 +315,7 @@ def run_checks(options: DoctorOptions | None = None) -> Report:
     checks += check_perf_events(root, opts.perf_open or perf_event_open)
     checks += [check_uprobes(root, tracefs), check_kprobes(root, tracefs)]
     checks += check_bpf_features(opts.bpf_features or probe_features)
-    checks += [check_headers(root, release), check_span_encoder()]
+    checks += [check_headers(root, release), check_span_encoder(), check_ring_reader()]
     checks.append(_from_probe("bpf trial load", "BPF", True, opts.bpf_trial or bpf_trial_load))
     checks.append(_from_probe("nvml", "GPU", False, opts.nvml_probe or nvml_status))
     checks.append(check_cuda(root))
@@ -368,6 +368,23 @@ def check_span_encoder() -> Check:
         Status.FALLBACK,
         "pure-Python join: the install had no C compiler; the same spans, more agent CPU per "
         "span (docs/performance.md)",
+        fix="reinstall with gcc and python3-dev present (scripts/setup.sh installs them)",
+    )
+
+
+def check_ring_reader() -> Check:
+    """How the records ring is read: the compiled consumer, or BCC's reader (one Python
+    callback per record) that an install without a C compiler gets."""
+    from tracejoin.kernel import ring
+
+    if ring.COMPILED:
+        return Check("ring reader", "Build", Status.AVAILABLE, "compiled consumer (_ring_read.c)")
+    return Check(
+        "ring reader",
+        "Build",
+        Status.FALLBACK,
+        "BCC's reader, one Python callback per record: the install had no C compiler; the "
+        "same records, more agent CPU per record (docs/performance.md)",
         fix="reinstall with gcc and python3-dev present (scripts/setup.sh installs them)",
     )
 

@@ -41,9 +41,11 @@ from tracejoin.core.record import (
     Sampling,
     WsMember,
 )
+from tracejoin.kernel import ring
 from tracejoin.kernel.btf import BtfError, member_offsets
 from tracejoin.kernel.cuda import CudaProbes, load_apis
 from tracejoin.kernel.perf import perf_event_open_check
+from tracejoin.kernel.ring import RingReader
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +228,10 @@ class ProbeConfig:
     # HTTP/1.x traced seconds sooner, docs/performance.md); False: start() loads them too
     # (capture, tests).
     http2_after_ready: bool = False
+    # Read the records ring with the compiled consumer (kernel/ring.py) where it was built;
+    # False: BCC's reader, one Python callback per record (the fallback; tests and the bench
+    # run both).
+    compiled_ring: bool = ring.COMPILED
 
 
 @dataclass
@@ -279,6 +285,7 @@ class HttpProbes:
         self.status = ProbeStatus()
         self._bpf: object | None = None
         self._batch: list[bytes] = []
+        self._ring: RingReader | None = None
         self.cuda: CudaProbes | None = None
         self._h2_loader: threading.Thread | None = None
         self._detaching = False  # detach() has begun and not returned (shutdown() checks it)
@@ -429,7 +436,11 @@ class HttpProbes:
             self.status.tlb_mode = "hardware"
         elif self.status.signals.get("tlb_flush") == "on":
             self.status.tlb_mode = "flush_fallback"
-        bpf[b"events"].open_ring_buffer(self._on_record)
+        events = bpf[b"events"]
+        if self.config.compiled_ring:
+            self._ring = RingReader(events.map_fd, RINGBUF_PAGES * 4096)
+        else:
+            events.open_ring_buffer(self._on_record)
         if "WITH_CUDA" in knobs:
             apis = load_apis(bpf_source_dir() / "cuda.h")
             self.cuda = CudaProbes(bpf, apis, self.metrics, launches=self.config.cuda_launches)
@@ -520,11 +531,14 @@ class HttpProbes:
         on its timeout consumes nothing, hence the consume after it."""
         if self._bpf is None:
             return []
-        bpf: Any = self._bpf
-        if timeout_ms:
-            bpf.ring_buffer_poll(timeout_ms)
-        bpf.ring_buffer_consume()
-        batch, self._batch = self._batch, []
+        if self._ring is not None:
+            batch = self._ring.poll(timeout_ms)
+        else:
+            bpf: Any = self._bpf
+            if timeout_ms:
+                bpf.ring_buffer_poll(timeout_ms)
+            bpf.ring_buffer_consume()
+            batch, self._batch = self._batch, []
         if self.cuda is not None:
             try:  # finding libraries never costs a record
                 self.cuda.track(_record_pids(batch))
@@ -622,6 +636,9 @@ class HttpProbes:
     def shutdown(self) -> None:
         bpf: Any = self._bpf
         self._bpf = None
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
         busy = "HTTP/2 programs still loading" if self.loading else ""
         busy = busy or ("probes still detaching" if self._detaching else "")
         if bpf is not None and busy:

@@ -1,0 +1,65 @@
+"""The records ring buffer, read without a Python call per record.
+
+BCC's reader (`open_ring_buffer` + `ring_buffer_poll`) is libbpf's, which calls back into Python
+once per record through ctypes. Where `_ring_read.c` was compiled at install, RingReader maps the
+ring itself, as libbpf does (the consumer page read-write; the producer page and the data pages,
+which the kernel maps twice in a row so no record wraps, read-only), waits on the map's fd with
+epoll, and copies every committed record out in one C call. Where it was not, HttpProbes keeps
+BCC's reader: the same records, one callback each (tests run both).
+"""
+
+from __future__ import annotations
+
+import mmap
+import select
+
+try:  # the compiled consumer (built where a C compiler was, at install)
+    from tracejoin.kernel._ring_read import consume as _consume
+except ImportError:  # pragma: no cover - BCC's per-record callback reader, under the same tests
+    _consume = None
+
+COMPILED = _consume is not None
+
+# One consume() takes at most this many records: a producer that never lets up cannot keep
+# the reader in one call (the rest waits for the next poll).
+MAX_BATCH = 65_536
+
+
+class RingReader:
+    """A BPF_MAP_TYPE_RINGBUF map's consumer, by its fd and size (max_entries, a power of two
+    pages). close() unmaps; the map itself belongs to whoever loaded it."""
+
+    def __init__(self, map_fd: int, size: int) -> None:
+        if _consume is None:
+            raise RuntimeError("the compiled ring reader was not built (see `tracejoin doctor`)")
+        if size <= 0 or size & (size - 1):
+            raise ValueError(f"ring size {size} is not a power of two")
+        page = mmap.PAGESIZE
+        self._page, self._mask = page, size - 1
+        self._cons = mmap.mmap(map_fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            self._prod = mmap.mmap(
+                map_fd, page + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page
+            )
+        except Exception:
+            self._cons.close()
+            raise
+        self._epoll = select.epoll()
+        self._epoll.register(map_fd, select.EPOLLIN)
+
+    def poll(self, timeout_ms: int) -> list[bytes]:
+        """Wait up to timeout_ms (0: not at all) for the kernel's wake-up, then take every
+        committed record. The kernel wakes the reader only when half the ring could be full
+        (bpf/http_conn.h emit()), so the wait usually runs out: the records are taken anyway."""
+        if timeout_ms:
+            self._epoll.poll(timeout_ms / 1000)
+        return self.consume()
+
+    def consume(self) -> list[bytes]:
+        assert _consume is not None
+        return _consume(self._cons, self._prod, self._page, self._mask, MAX_BATCH)
+
+    def close(self) -> None:
+        self._epoll.close()
+        self._prod.close()
+        self._cons.close()
