@@ -83,7 +83,7 @@ QUICK = Config(
     syscall_calls=100_000,
     syscall_rounds=3,
     shared_phase=False,
-    loss_rates=(1000, 5000),
+    loss_rates=(1000, 5000, 20000),
     loss_s=2,
     export_spans=3_000,
     export_repeat=2,
@@ -543,25 +543,33 @@ def targets(res: dict[str, Any]) -> list[Target]:
                 max(over) <= 50,
             )
         )
-    lost = [
-        s
-        for s in res["loss_curve"]
-        if (s["lost_kernel_ringbuf_full"] or s["lost_userspace"])
-        and isinstance(s["offered"], int)
-        and s["offered"] <= 20_000
+    # Judged on the open-loop steps only (wrk's saturation row is closed loop, above 20k), and
+    # only as far as they went: a run whose open-loop steps stopped below 20k req/s (a quick
+    # run, or a server that saturates below ~22k) cannot say "no loss up to 20k".
+    open_loop = [
+        s for s in res["loss_curve"] if isinstance(s["offered"], int) and s["offered"] <= 20_000
     ]
-    top = max((s["achieved_rps"] for s in res["loss_curve"]), default=0)
-    clean = [s["achieved_rps"] for s in res["loss_curve"] if s not in lost]
+    lost = [s for s in open_loop if s["lost_kernel_ringbuf_full"] or s["lost_userspace"]]
+    clean = [s["achieved_rps"] for s in open_loop if s not in lost]
+    top_offered = max((s["offered"] for s in open_loop), default=0)
+    if lost:
+        measured = (
+            f"lost from {lost[0]['achieved_rps']:,} req/s "
+            f"({lost[-1]['lost_fraction']:.0%} at the top); "
+            f"clean up to {max(clean, default=0):,} req/s"
+        )
+    elif top_offered >= 20_000:
+        measured = "0 lost"
+    elif not open_loop:
+        measured = "no open-loop step in this run"
+    else:
+        measured = f"0 lost up to {top_offered:,} req/s, the top open-loop step of this run"
     out.append(
         Target(
-            f"no records lost up to 20k req/s open loop (top rate here {top:,} req/s)",
+            "no records lost up to 20k req/s open loop",
             "0 lost",
-            "0 lost"
-            if not lost
-            else f"lost from {lost[0]['achieved_rps']:,} req/s "
-            f"({lost[-1]['lost_fraction']:.0%} at the top); "
-            f"clean up to {max(clean, default=0):,} req/s",
-            not lost,
+            measured,
+            False if lost else (True if top_offered >= 20_000 else None),
         )
     )
     # the path `tracejoin run` takes: the object-free encoder when the result has it (older
@@ -805,9 +813,19 @@ def format_report(res: dict[str, Any]) -> str:
             )
     L.append("")
     L.append("Targets")
-    for t in res["targets"]:
+    for t in judged(res):
         L.append(f"   {t['verdict']:<5} {t['name']:<52} {t['want']:<10} measured {t['measured']}")
     return "\n".join(L)
+
+
+def judged(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The targets by today's rules, from the figures the result holds; a result too old for
+    them keeps the verdicts it was written with. (2026-12-02: the loss target had read PASS
+    for runs whose open-loop steps stopped below 20k req/s; judged again, those are n/a.)"""
+    try:
+        return [asdict(t) | {"verdict": t.verdict} for t in targets(res)]
+    except (KeyError, TypeError):
+        return list(res["targets"])
 
 
 def _noise_note(o: dict) -> str:
@@ -999,7 +1017,7 @@ def main(argv: list[str] | None = None) -> int:
     res = assemble(bench, cfg, started, loadavg, export, gpu, args.quick)
     res["stages"] = stages
     res["wall_s"] = round(time.monotonic() - t0, 1)
-    res["targets"] = [asdict(t) | {"verdict": t.verdict} for t in targets(res)]
+    res["targets"] = judged(res)
     print()
     print(format_report(res))
     out = args.json or RESULTS / f"{started.strftime('%Y%m%dT%H%M%S')}.json"

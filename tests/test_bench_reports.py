@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.run import format_report
+from bench.run import format_report, judged
 
 REFERENCE = sorted((Path(__file__).parent.parent / "bench/results/reference").glob("*.json"))
 
@@ -17,3 +17,30 @@ REFERENCE = sorted((Path(__file__).parent.parent / "bench/results/reference").gl
 def test_every_reference_result_reports(path: Path) -> None:
     text = format_report(json.loads(path.read_text()))
     assert "Targets" in text and "agent CPU per span" in text
+
+
+def _loss_verdict(steps: list[tuple[int | str, int]]) -> tuple[str, str]:
+    """The loss target's verdict for a loss curve of (offered, lost in the kernel) steps."""
+    res = json.loads(REFERENCE[-1].read_text())
+    res["loss_curve"] = [
+        {
+            "offered": offered,
+            "achieved_rps": offered if isinstance(offered, int) else 30_000,
+            "lost_kernel_ringbuf_full": lost,
+            "lost_userspace": 0,
+            "lost_fraction": lost / 1000,
+        }
+        for offered, lost in steps
+    ]
+    (t,) = [t for t in judged(res) if t["name"].startswith("no records lost")]
+    return t["verdict"], t["measured"]
+
+
+def test_the_loss_target_is_judged_only_as_far_as_the_open_loop_steps_went() -> None:
+    # wrk's closed-loop row, above 20k and losing, says nothing about the target
+    assert _loss_verdict([(1000, 0), (20_000, 0), ("max (wrk)", 600)]) == ("PASS", "0 lost")
+    verdict, measured = _loss_verdict([(1000, 0), (5000, 0), ("max (wrk)", 600)])
+    assert verdict == "n/a" and "up to 5,000 req/s" in measured  # never offered 20k
+    verdict, measured = _loss_verdict([(1000, 0), (5000, 0), (20_000, 300)])
+    assert verdict == "MISS" and "lost from 20,000 req/s" in measured
+    assert _loss_verdict([("max (wrk)", 600)])[0] == "n/a"
