@@ -4,6 +4,7 @@
                                         [--batch-ms N] [--destination otlp|file] [--gc]
                                         [--unsampled] [--kernel-policy on|off]
                                         [--join compiled|python] [--ring compiled|bcc]
+                                        [--save-records PATH]
 
 Builds the pipeline the way `tracejoin run` does (the daemon's span builder and destination:
 OTLP/HTTP protobuf to bench/otlp_sink, or the OTLP-JSON file on tmpfs), starts the Go test
@@ -44,6 +45,7 @@ from tracejoin.pipeline import span_bytes
 from bench import measure as m
 
 LOAD_CPU = [0]  # --load-cpu
+SAVE_MAX = 5_000  # --save-records
 
 
 def thread_cpu(tid: int) -> float:
@@ -86,6 +88,7 @@ def run_once(
     unsampled: bool = False,
     kernel_policy: bool = True,
     ring: str = "compiled",
+    saved: list[bytes] | None = None,
 ) -> dict[str, Any]:
     from tracejoin.app import build_agent, file_destination, otlp_destination
     from tracejoin.config import Settings
@@ -108,6 +111,22 @@ def run_once(
         agent.source.config = dataclasses.replace(agent.source.config, compiled_ring=False)
     if not kernel_policy:  # as before issue 13: every record crosses and user space decides
         agent.source.set_policy = lambda **_kw: None  # type: ignore[attr-defined]
+    # the reader's CPU inside source.poll(): taking records off the ring (and the wait's
+    # syscall), apart from what the stages do with them
+    poll_cpu = [0.0]
+    plain_poll = agent.source.poll
+
+    def timed_poll(timeout_ms: int = 100) -> list[bytes]:
+        t = time.thread_time()
+        try:
+            batch = plain_poll(timeout_ms)
+        finally:
+            poll_cpu[0] += time.thread_time() - t
+        if saved is not None and len(saved) < SAVE_MAX:
+            saved.extend(batch[: SAVE_MAX - len(saved)])
+        return batch
+
+    agent.source.poll = timed_poll  # type: ignore[method-assign]
     reader = Watched("reader", lambda: None, profile)
     exporter = Watched("exporter", dest._run, profile)
     dest._run = exporter
@@ -133,6 +152,8 @@ def run_once(
         kernel = agent.pipeline.kernel_counters
         t0 = {w.name: thread_cpu(w.tid) for w in (reader, exporter)}
         r0 = metrics.total("records_received")
+        poll0 = poll_cpu[0]
+        spans0 = metrics.total("spans_built")
         kept0 = kernel().get("unsampled_aggregated", 0)
         proc0 = sum(m.cpu_seconds(os.getpid()))
         load = m.rate(
@@ -149,6 +170,8 @@ def run_once(
         records = metrics.total("records_received") - r0
         t1 = {w.name: thread_cpu(w.tid) for w in (reader, exporter)}
         proc1 = sum(m.cpu_seconds(os.getpid()))
+        poll1 = poll_cpu[0]
+        spans = metrics.total("spans_built") - spans0
         counters = kernel()
     finally:
         agent.shutdown(5.0)
@@ -162,6 +185,8 @@ def run_once(
         "ringbuf_full": counters.get("ringbuf_full", 0),
         "us_per_record": per,
         "process_us_per_record": (proc1 - proc0) * 1e6 / max(1, records),
+        "poll_us_per_record": (poll1 - poll0) * 1e6 / max(1, records),
+        "spans_per_record": spans / max(1, records),
         "process_us_per_request": (proc1 - proc0) * 1e6 / max(1, want),
         "kept_in_kernel": counters.get("unsampled_aggregated", 0) - kept0,
         "profiles": {w.name: w.prof for w in (reader, exporter) if w.prof is not None},
@@ -212,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         help="span_bytes' join: the compiled one (as installed) or the pure-Python fallback",
     )
     ap.add_argument(
+        "--save-records",
+        type=Path,
+        help="write the first 5,000 raw records of the unprofiled pass here, for "
+        "`bench.stages --records` to replay",
+    )
+    ap.add_argument(
         "--ring",
         choices=["compiled", "bcc"],
         default="compiled",
@@ -241,13 +272,26 @@ def main(argv: list[str] | None = None) -> int:
             "kernel_policy": args.kernel_policy == "on",
             "ring": args.ring,
         }
-        plain = run_once(port, args.rate, args.seconds, False, args.batch_ms, sink, **policy)
+        saved: list[bytes] | None = [] if args.save_records else None
+        plain = run_once(
+            port, args.rate, args.seconds, False, args.batch_ms, sink, **policy, saved=saved
+        )
+        if args.save_records and saved is not None:
+            from bench.stages import save_records
+
+            save_records(args.save_records, saved)
+            print(f"saved {len(saved):,} records to {args.save_records}")
         print(
             f"unprofiled: {plain['records']:,} records for {plain['requests']:,} requests "
             f"({plain['kept_in_kernel']:,} kept in the kernel, ringbuf_full "
-            f"{plain['ringbuf_full']}); CPU µs per record: "
+            f"{plain['ringbuf_full']}; {plain['spans_per_record']:.2f} spans per record); "
+            "CPU µs per record: "
             + (
-                ", ".join(f"{k} {v:.1f}" for k, v in plain["us_per_record"].items())
+                ", ".join(
+                    f"{k} {v:.1f}"
+                    + (f" (source.poll {plain['poll_us_per_record']:.2f})" if k == "reader" else "")
+                    for k, v in plain["us_per_record"].items()
+                )
                 + f"; whole process {plain['process_us_per_record']:.1f}"
                 if plain["records"]
                 else "no records"

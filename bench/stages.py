@@ -1,6 +1,7 @@
 """The agent's user-space stages, one by one, on a synthetic record (no kernel, no threads).
 
     python -m bench.stages
+    python -m bench.stages --records PATH   # live records from bench.profile_agent --save-records
 
 One realistic record (GET with a valid sampled traceparent, tuple known, receive-queue wait,
 TLB flush fallback: what the Go server produces) goes through each stage of `tracejoin run` in a
@@ -13,11 +14,14 @@ and the threads.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 import socket
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from tracejoin.config import Settings
@@ -170,7 +174,77 @@ def format_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def save_records(path: Path, records: list[bytes]) -> None:
+    """Raw ring-buffer records, each as a 4-byte little-endian length and its bytes."""
+    with open(path, "wb") as f:
+        for r in records:
+            f.write(len(r).to_bytes(4, "little") + r)
+
+
+def load_records(path: Path) -> list[bytes]:
+    data, out, at = path.read_bytes(), [], 0
+    while at + 4 <= len(data):
+        n = int.from_bytes(data[at : at + 4], "little")
+        out.append(data[at + 4 : at + 4 + n])
+        at += 4 + n
+    return out
+
+
+def replay(records: list[bytes], opts: SpanOptions | None = None) -> dict[str, float]:
+    """decode, enrich and encode_spans over recorded live records, each stage over all of them
+    in turn, best of 5: CPU µs per record. The same records every run, so a change to a stage
+    can be measured without the live agent's noise (the load generator shares its CPU)."""
+    metrics = Metrics()
+    decoder = RecordDecoder(metrics)
+    resource = Resource((("service.name", "bench"), ("process.executable.name", "goserver")))
+    enricher = Enricher(metrics, lambda _pid: resource)
+    if opts is None:  # the live agent's signals on this host: the work set too
+        base = agent_span_options()
+        opts = dataclasses.replace(base, signals=base.signals | {"workset"})
+    decoded = [r for r in map(decoder.decode, records) if isinstance(r, HttpRecord)]
+    enriched = [e for e in map(enricher.enrich, decoded) if e is not None]
+
+    def best(fn: Callable[[], object], n: int) -> float:
+        times = []
+        for _ in range(5):
+            t0 = time.process_time()
+            fn()
+            times.append(time.process_time() - t0)
+        return min(times) * 1e6 / max(1, n)
+
+    new_id = enricher.new_id
+    stages = {
+        "decode": best(lambda: [decoder.decode(r) for r in records], len(records)),
+        "Enricher.enrich": best(lambda: [enricher.enrich(r) for r in decoded], len(decoded)),
+        "encode_spans": best(
+            lambda: [encode_spans(e, opts, new_id) for e in enriched], len(enriched)
+        ),
+    }
+    spans = sum(len(encode_spans(e, opts, new_id)) for e in enriched)
+    stages["sum"] = sum(stages.values())
+    stages["spans per record"] = spans / max(1, len(enriched))
+    return stages
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--records",
+        type=Path,
+        help="replay live records saved by `bench.profile_agent --save-records PATH` through "
+        "decode, enrich and encode_spans instead of timing the synthetic one",
+    )
+    args = ap.parse_args(argv)
+    if args.records:
+        records = load_records(args.records)
+        if not records:
+            print(f"bench.stages: no records in {args.records}", file=sys.stderr)
+            return 2
+        res = replay(records)
+        print(f"{len(records):,} live records from {args.records}; CPU µs per record, best of 5:")
+        for k, v in res.items():
+            print(f"  {k:<20} {v:>8.2f}")
+        return 0
     print(format_table(run()))
     return 0
 
