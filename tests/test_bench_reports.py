@@ -44,3 +44,16 @@ def test_the_loss_target_is_judged_only_as_far_as_the_open_loop_steps_went() -> 
     verdict, measured = _loss_verdict([(1000, 0), (5000, 0), (20_000, 300)])
     assert verdict == "MISS" and "lost from 20,000 req/s" in measured
     assert _loss_verdict([("max (wrk)", 600)])[0] == "n/a"
+
+
+def test_saved_records_replay_through_the_stages(tmp_path: Path) -> None:
+    """bench.profile_agent --save-records writes what bench.stages --records reads back, byte
+    for byte, and the replay carries each record through to its spans."""
+    from bench.stages import load_records, replay, sample_record, save_records
+
+    records = [sample_record(), sample_record()[:-3], sample_record()]
+    save_records(tmp_path / "live.rec", records)
+    assert load_records(tmp_path / "live.rec") == records
+    res = replay(load_records(tmp_path / "live.rec")[::2])
+    assert res["spans per record"] == 1  # the sample record makes its server span only
+    assert {"decode", "Enricher.enrich", "encode_spans", "sum"} <= set(res)
