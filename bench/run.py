@@ -552,6 +552,7 @@ def targets(res: dict[str, Any]) -> list[Target]:
     lost = [s for s in open_loop if s["lost_kernel_ringbuf_full"] or s["lost_userspace"]]
     clean = [s["achieved_rps"] for s in open_loop if s not in lost]
     top_offered = max((s["offered"] for s in open_loop), default=0)
+    shed = sum(s.get("sampled_out_budget", 0) for s in open_loop)
     if lost:
         measured = (
             f"lost from {lost[0]['achieved_rps']:,} req/s "
@@ -564,6 +565,8 @@ def targets(res: dict[str, Any]) -> list[Target]:
         measured = "no open-loop step in this run"
     else:
         measured = f"0 lost up to {top_offered:,} req/s, the top open-loop step of this run"
+    if shed:  # not a loss (the budget's, by trace id, counted apart), but never hidden
+        measured += f"; {shed:,} shed by the budget, counted apart"
     out.append(
         Target(
             "no records lost up to 20k req/s open loop",
@@ -625,7 +628,8 @@ def loss_line(s: dict) -> str:
         f"offered {s['offered']!s:>9}  achieved {s['achieved_rps']:>7,}  requests "
         f"{s['requests']:>8,}  submitted {s['records_submitted']:>8,}  delivered "
         f"{s['records_received']:>8,}  ringbuf_full {s['lost_kernel_ringbuf_full']:>7,}  "
-        f"user drops {s['lost_userspace_records']:,}"
+        f"user drops {s['lost_userspace_records']:,}  "
+        f"shed by the budget {s.get('sampled_out_budget', 0):,}"
     )
 
 
@@ -781,14 +785,16 @@ def format_report(res: dict[str, Any]) -> str:
     L.append("3. Loss curve (one agent; the µs server; open loop, then wrk at saturation)")
     L.append(
         f"   {'offered':>10} {'achieved':>9} {'requests':>9} {'submitted':>10} {'delivered':>10} "
-        f"{'ringbuf_full':>13} {'user drops':>11} {'lost %':>7} {'µs/rec':>7} {'BPF ns/req':>10}"
+        f"{'ringbuf_full':>13} {'user drops':>11} {'lost %':>7} {'shed':>8} {'µs/rec':>7} "
+        f"{'BPF ns/req':>10}"
     )
     for s in res["loss_curve"]:
         L.append(
             f"   {s['offered']!s:>10} {s['achieved_rps']:>9,} {s['requests']:>9,} "
             f"{s['records_submitted']:>10,} {s['records_received']:>10,} "
             f"{s['lost_kernel_ringbuf_full']:>13,} {s['lost_userspace']:>11,} "
-            f"{s['lost_fraction']:>7.1%} {s['cpu_us_per_record'] or 0:>7.1f} "
+            f"{s['lost_fraction']:>7.1%} {s.get('sampled_out_budget', 0):>8,} "
+            f"{s['cpu_us_per_record'] or 0:>7.1f} "
             f"{s['bpf_ns_per_request']:>10,}"
         )
     L.append("")

@@ -46,6 +46,22 @@ def test_the_loss_target_is_judged_only_as_far_as_the_open_loop_steps_went() -> 
     assert _loss_verdict([("max (wrk)", 600)])[0] == "n/a"
 
 
+def test_requests_the_budget_shed_are_not_losses_and_are_shown() -> None:
+    res = json.loads(REFERENCE[-1].read_text())
+    res["loss_curve"] = [
+        {
+            "offered": 20_000,
+            "achieved_rps": 20_000,
+            "lost_kernel_ringbuf_full": 0,
+            "lost_userspace": 0,
+            "lost_fraction": 0.0,
+            "sampled_out_budget": 1234,
+        }
+    ]
+    (t,) = [t for t in judged(res) if t["name"].startswith("no records lost")]
+    assert t["verdict"] == "PASS" and "1,234 shed by the budget" in t["measured"]
+
+
 def test_saved_records_replay_through_the_stages(tmp_path: Path) -> None:
     """bench.profile_agent --save-records writes what bench.stages --records reads back, byte
     for byte, and the replay carries each record through to its spans."""

@@ -220,8 +220,12 @@ func rateMain(args []string) (*rateResult, error) {
 	send := func(c *conn, d int64) {
 		seq++
 		putHex(req[traceOff:], traceHi)
-		putHex(req[traceOff+16:], seq)
-		putHex(req[spanOff:], (seq*0x9E3779B97F4A7C15)|1)
+		// The trace id's low 8 bytes are what a TraceIdRatioBased sampler (and the agent's
+		// overload budget, in the kernel) reads: spread like a random id's, as an SDK's are,
+		// and still unique (multiplying by an odd constant is a bijection mod 2^64). A plain
+		// counter there would sit below every ratio's bound, so nothing would ever be shed.
+		putHex(req[traceOff+16:], seq*0x9E3779B97F4A7C15)
+		putHex(req[spanOff:], (seq*0xC2B2AE3D27D4EB4F)|1)
 		t := now()
 		if _, err := syscall.Write(c.fd, req); err != nil {
 			res.Errors++
