@@ -213,6 +213,7 @@ class Agent:
         self._stopped = False
         self._self = psutil.Process()
         self.budget = BudgetController(s.cpu_budget)
+        self._sampling_lock = threading.Lock()  # the ratio's changes reach the kernel in order
 
     @property
     def status(self) -> ProbeStatus:
@@ -255,6 +256,7 @@ class Agent:
                 self.metrics,
                 gpu_hold=gpu_hold,
                 observers=self.observers,
+                on_fill=self._budget_fill,
             )
             self.pipeline.start()
             set_policy = getattr(self.source, "set_policy", None)
@@ -305,23 +307,36 @@ class Agent:
                     running += n
                     self.metrics.set("requests_aggregated_latency_bucket", running, le=le, **labels)
 
-    def _apply_budget(self, cpu_s: float, ringbuf_full: int) -> None:
-        """One step of the overload budget: the ratio for the kernel, and what it shed."""
-        before = ratio = self.budget.ratio
-        if getattr(self.source, "loading", False):
-            self.budget.skip()  # verifying HTTP/2's programs after ready: not load to shed
-        else:
-            ratio = self.budget.update(time.monotonic(), cpu_s, ringbuf_full)
+    def _budget_fill(self, fraction: float) -> None:
+        """The reader's batch filled `fraction` of the ring (on the reader thread)."""
+        with self._sampling_lock:
+            before = self.budget.ratio
+            ratio = self.budget.filled(time.monotonic(), fraction)
+            self._set_sampling(
+                before, ratio, f"the reader behind: a batch took {fraction:.0%} of the ring"
+            )
+
+    def _set_sampling(self, before: float, ratio: float, why: str) -> None:
         set_sampling = getattr(self.source, "set_sampling", None)
         if ratio != before and set_sampling is not None:
             set_sampling(ratio)
             log.info(
-                "cpu budget %.2f: agent at %.2f of a CPU; sampling ratio %.4g -> %.4g",
+                "cpu budget %.2f: %s; sampling ratio %.4g -> %.4g",
                 self.budget.budget,
-                self.budget.share,
+                why,
                 before,
                 ratio,
             )
+
+    def _apply_budget(self, cpu_s: float, ringbuf_full: int) -> None:
+        """One step of the overload budget: the ratio for the kernel, and what it shed."""
+        with self._sampling_lock:
+            before = ratio = self.budget.ratio
+            if getattr(self.source, "loading", False):
+                self.budget.skip()  # verifying HTTP/2's programs after ready: not load to shed
+            else:
+                ratio = self.budget.update(time.monotonic(), cpu_s, ringbuf_full)
+            self._set_sampling(before, ratio, f"agent at {self.budget.share:.2f} of a CPU")
         self.metrics.set("sampling_ratio", ratio)
         self.metrics.set("agent_cpu_share", round(self.budget.share, 4))
         shed = getattr(self.source, "shed", None)

@@ -12,7 +12,7 @@ import pytest
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 from tracejoin.config import Settings
 from tracejoin.kernel.probes import sampling_entry
-from tracejoin.pipeline.budget import MIN_RATIO, BudgetController
+from tracejoin.pipeline.budget import FILL_STEP_S, MIN_RATIO, BudgetController
 
 
 def drive(ctl: BudgetController, shares: list[float], lost_at: frozenset[int] = frozenset()):
@@ -59,6 +59,38 @@ def test_between_the_thresholds_the_ratio_holds():
     drive(ctl, [2.0, 2.0])
     held = ctl.ratio
     assert drive(ctl, [0.45] * 5) == [held] * 5
+
+
+def test_a_reader_falling_behind_halves_the_ratio_before_the_next_reading():
+    """Batches that took half the ring, two in a row: halved at once (the reader is starved
+    below its budget too), at most once per FILL_STEP_S, and no raise at the next reading."""
+    ctl = BudgetController(budget=0.5)
+    ctl.update(0.0, 0.0, 0)
+    assert ctl.filled(0.10, 0.9) == 1.0, "one full batch is a backlog (a paused reader)"
+    assert ctl.filled(0.125, 0.1) == 1.0
+    assert ctl.filled(0.15, 0.6) == 1.0
+    assert ctl.filled(0.175, 0.6) == 0.5, "the second in a row: behind"
+    assert ctl.filled(0.2, 0.7) == 0.5, "the same backlog, seen again within FILL_STEP_S"
+    assert ctl.filled(0.175 + FILL_STEP_S, 0.7) == 0.25
+    # the agent's CPU share is low (it was starved), nothing lost: no raise this time...
+    assert ctl.update(1.0, 0.1, 0) == 0.25
+    # ...and raised again once a whole interval passed without a full batch
+    assert ctl.filled(1.5, 0.05) == 0.25
+    assert ctl.update(2.0, 0.2, 0) == pytest.approx(0.375)
+
+
+def test_a_backlog_being_caught_up_with_is_not_halved_again():
+    ctl = BudgetController(budget=0.5)
+    assert [ctl.filled(t, f) for t, f in [(0.0, 1.0), (0.05, 1.0)]] == [1.0, 0.5]
+    draining = [(0.2, 0.9), (0.4, 0.8), (0.6, 0.7), (0.8, 0.55), (1.0, 0.3)]
+    assert [ctl.filled(t, f) for t, f in draining] == [0.5] * 5
+    # growing again: behind again
+    assert [ctl.filled(t, f) for t, f in [(1.2, 0.6), (1.4, 0.7)]] == [0.5, 0.25]
+
+
+def test_fill_changes_nothing_with_the_budget_off():
+    ctl = BudgetController(budget=0.0)
+    assert [ctl.filled(t / 10, 1.0) for t in range(10)] == [1.0] * 10
 
 
 def test_budget_zero_is_off():

@@ -296,3 +296,56 @@ def test_agent_cleans_up_after_a_failed_start():
     agent.shutdown(1.0)
     assert source.calls == ["start", "shutdown", "destination_shutdown"]
     assert not agent.ready.is_set()
+
+
+def test_each_batch_reports_its_share_of_the_ring():
+    """The overload budget hears how full each batch the reader took was (the records' bytes,
+    their 8-byte headers and at most 7 bytes of padding each, against the ring's size), empty
+    ones too: a reader falling behind is seen between the budget's readings."""
+    source = FakeSource()
+    source.ring_bytes = 100_000  # type: ignore[attr-defined]
+    fills: list[float] = []
+    metrics = Metrics()
+    pipe = Pipeline(
+        source,
+        Enricher(metrics, resource),
+        SpanOptions.from_status(source.status.signals, "off", 1_000_000),
+        [],
+        metrics,
+        on_fill=fills.append,
+    )
+    batch = [traced(i)[0] for i in range(10)]
+    pipe.process(batch)
+    pipe.process([])
+    assert fills == [(sum(map(len, batch)) + 15 * len(batch)) / 100_000, 0.0]
+    assert metrics.get("records_received") == 10, "the records themselves go on as before"
+
+
+class SamplingSource(FakeSource):
+    ring_bytes = 1_000_000
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ratios: list[float] = []
+
+    def set_sampling(self, ratio: float) -> None:
+        self.ratios.append(ratio)
+
+
+def test_a_reader_behind_lowers_the_kernels_ratio_at_once():
+    source = SamplingSource()
+    metrics = Metrics()
+    agent = build_agent(Settings(gpu=False), metrics, [], source=source)
+    agent.start()
+    assert agent.pipeline is not None
+    agent.pipeline.pause_reading(True)  # its empty batches would report 0.0 in between
+    time.sleep(0.1)
+    try:
+        agent._budget_fill(0.9)
+        assert source.ratios == [], "one full batch: a backlog, not yet a rate"
+        agent._budget_fill(0.95)
+        assert source.ratios == [0.5]
+        agent.refresh_metrics()
+        assert metrics.get("sampling_ratio") == 0.5
+    finally:
+        agent.shutdown(2.0)

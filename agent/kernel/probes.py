@@ -34,6 +34,7 @@ from tracejoin.core.record import (
     PROG_RUN_NOTES,
     PROG_SCAN_REQ,
     PROG_SCAN_RESP,
+    REC_HTTP_FIXED_SIZE,
     RINGBUF_PAGES,
     WS_SLOTS,
     HttpRecord,
@@ -286,6 +287,7 @@ class HttpProbes:
         self._bpf: object | None = None
         self._batch: list[bytes] = []
         self._ring: RingReader | None = None
+        self.ring_bytes = RINGBUF_PAGES * 4096  # the records ring's size (the overload budget)
         self.cuda: CudaProbes | None = None
         self._h2_loader: threading.Thread | None = None
         self._detaching = False  # detach() has begun and not returned (shutdown() checks it)
@@ -438,7 +440,7 @@ class HttpProbes:
             self.status.tlb_mode = "flush_fallback"
         events = bpf[b"events"]
         if self.config.compiled_ring:
-            self._ring = RingReader(events.map_fd, RINGBUF_PAGES * 4096)
+            self._ring = RingReader(events.map_fd, self.ring_bytes)
         else:
             events.open_ring_buffer(self._on_record)
         if "WITH_CUDA" in knobs:
@@ -523,7 +525,9 @@ class HttpProbes:
         self._batch.append(ctypes.string_at(data, size))
 
     def poll(self, timeout_ms: int = 100) -> list[bytes]:
-        """Wait up to timeout_ms (0: not at all), then return every record the ring holds.
+        """Wait up to timeout_ms (0: not at all), then return the records the ring holds (at
+        most READ_SLICE of them with the compiled reader; the rest make the next poll return
+        at once).
 
         The kernel submits records without waking the reader (bpf/http_conn.h emit()), except
         when enough have gathered to fill half the ring: so this sleeps the whole timeout in
@@ -532,7 +536,7 @@ class HttpProbes:
         if self._bpf is None:
             return []
         if self._ring is not None:
-            batch = self._ring.poll(timeout_ms)
+            batch = self._ring.poll(timeout_ms, READ_SLICE)
         else:
             bpf: Any = self._bpf
             if timeout_ms:
@@ -547,6 +551,10 @@ class HttpProbes:
                 self.metrics.inc("cuda_rescan_errors")
                 log.exception("CUDA library rescan failed (the records are kept)")
         return batch
+
+    def backlog(self) -> float:
+        """The share of the ring still to read, now (0 with BCC's reader: not known)."""
+        return self._ring.backlog() if self._ring is not None else 0.0
 
     def set_sampling(self, ratio: float) -> None:
         """Keep a request's record when its trace id's low 8 bytes (big-endian) are below
@@ -659,6 +667,13 @@ _MEMBER_PIDS_AT = tuple(
     HttpRecord.members.offset + i * ctypes.sizeof(WsMember) + WsMember.pid.offset
     for i in range(WS_SLOTS)
 )
+
+
+# The compiled reader takes at most an eighth of the ring per poll (~470 records of the fixed
+# size): a reader falling behind hands the pipeline, and so the overload budget's fill check,
+# a batch every few tens of ms instead of a whole ring's worth after seconds. Records left in
+# the ring make the next poll return at once.
+READ_SLICE = RINGBUF_PAGES * 4096 // 8 // (REC_HTTP_FIXED_SIZE + 8)
 
 
 def _record_pids(batch: list[bytes]) -> set[int]:

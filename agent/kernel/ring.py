@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mmap
 import select
+import struct
 
 try:  # the compiled consumer (built where a C compiler was, at install)
     from tracejoin.kernel._ring_read import consume as _consume
@@ -23,6 +24,7 @@ COMPILED = _consume is not None
 # One consume() takes at most this many records: a producer that never lets up cannot keep
 # the reader in one call (the rest waits for the next poll).
 MAX_BATCH = 65_536
+_POS = struct.Struct("<Q")  # consumer_pos, producer_pos: each the first word of its page
 
 
 class RingReader:
@@ -47,17 +49,26 @@ class RingReader:
         self._epoll = select.epoll()
         self._epoll.register(map_fd, select.EPOLLIN)
 
-    def poll(self, timeout_ms: int) -> list[bytes]:
-        """Wait up to timeout_ms (0: not at all) for the kernel's wake-up, then take every
-        committed record. The kernel wakes the reader only when half the ring could be full
-        (bpf/http_conn.h emit()), so the wait usually runs out: the records are taken anyway."""
+    def poll(self, timeout_ms: int, max_records: int = MAX_BATCH) -> list[bytes]:
+        """Wait up to timeout_ms (0: not at all) for the kernel's wake-up, then take the
+        committed records, at most max_records. The kernel wakes the reader only when half the
+        ring could be full (bpf/http_conn.h emit()), so the wait usually runs out: the records
+        are taken anyway. Records left behind make the next wait return at once (epoll is
+        level-triggered on a ring with data)."""
         if timeout_ms:
             self._epoll.poll(timeout_ms / 1000)
-        return self.consume()
+        return self.consume(max_records)
 
-    def consume(self) -> list[bytes]:
+    def consume(self, max_records: int = MAX_BATCH) -> list[bytes]:
         assert _consume is not None
-        return _consume(self._cons, self._prod, self._page, self._mask, MAX_BATCH)
+        return _consume(self._cons, self._prod, self._page, self._mask, max_records)
+
+    def backlog(self) -> float:
+        """The share of the ring written and not yet consumed, now (an estimate: the two
+        positions are read one after the other, without ordering)."""
+        (cons,) = _POS.unpack_from(self._cons)
+        (prod,) = _POS.unpack_from(self._prod)
+        return max(0, prod - cons) / (self._mask + 1)
 
     def close(self) -> None:
         self._epoll.close()

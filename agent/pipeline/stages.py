@@ -134,8 +134,14 @@ class Pipeline:
         *,
         gpu_hold: GpuHold | None = None,
         observers: Sequence[Observer] = (),
+        on_fill: Callable[[float], None] | None = None,
     ) -> None:
         self.source = source
+        # Told each batch's share of the source's ring (`ring_bytes`, where it has one): the
+        # overload budget reacts to a reader falling behind before the ring overflows.
+        self.on_fill = on_fill
+        self._ring_bytes = int(getattr(source, "ring_bytes", 0) or 0)
+        self._backlog: Callable[[], float] | None = getattr(source, "backlog", None)
         self.metrics = metrics
         self.decoder = RecordDecoder(metrics)
         self.enricher = enricher
@@ -164,6 +170,15 @@ class Pipeline:
     def process(self, batch: list[bytes]) -> None:
         """decode -> enrich -> (GPU hold) -> spans -> destinations, for one batch. Counters and
         the destinations' queues are touched once per batch, not once per record."""
+        if self.on_fill is not None and self._ring_bytes:
+            # How far behind the reader was: this batch (in the ring each record has an 8-byte
+            # header and is padded to 8, up to 7 more) and what it left there, if known.
+            used = sum(map(len, batch)) + 15 * len(batch)
+            try:
+                left = self._backlog() if self._backlog is not None else 0.0
+                self.on_fill(used / self._ring_bytes + left)
+            except Exception:
+                log.exception("the overload budget's fill check failed")
         if not batch:
             if self.gpu_hold is not None:
                 self._emit_all(self.gpu_hold.release())
