@@ -9,6 +9,7 @@ the reason instead of failing.
 from __future__ import annotations
 
 import errno
+import importlib
 import json
 import os
 from pathlib import Path
@@ -401,27 +402,20 @@ def test_json_stays_json_when_bcc_cannot_find_headers(privileged: None) -> None:
     assert trial["status"] == "unavailable" and "kernel headers" in trial["detail"]
 
 
-def test_the_span_encoder_check_says_which_join_runs(monkeypatch):
-    """The test install builds the compiled join (scripts/setup.sh installs gcc and python3-dev);
-    an install without it is told so, with the fix, and nothing else changes."""
-    from tracejoin.pipeline import span_bytes
-
-    built = check_span_encoder()
+@pytest.mark.parametrize(
+    ("check", "module", "says"),
+    [
+        (check_span_encoder, "tracejoin.pipeline.span_bytes", "pure-Python"),
+        (check_ring_reader, "tracejoin.kernel.ring", "callback per record"),
+    ],
+)
+def test_the_build_checks_say_which_path_runs(monkeypatch, check, module, says):
+    """The test install builds both compiled paths (scripts/setup.sh installs gcc and
+    python3-dev); an install without them is told so, with the fix, and nothing else changes."""
+    built = check()
     assert built.status is Status.AVAILABLE, built.detail
     assert not built.required
-    monkeypatch.setattr(span_bytes, "COMPILED", False)
-    fallback = check_span_encoder()
+    monkeypatch.setattr(importlib.import_module(module), "COMPILED", False)
+    fallback = check()
     assert fallback.status is Status.FALLBACK
-    assert "pure-Python" in fallback.detail and fallback.fix and "gcc" in fallback.fix
-
-
-def test_the_ring_reader_check_says_which_reader_runs(monkeypatch):
-    from tracejoin.kernel import ring
-
-    built = check_ring_reader()
-    assert built.status is Status.AVAILABLE, built.detail
-    assert not built.required
-    monkeypatch.setattr(ring, "COMPILED", False)
-    fallback = check_ring_reader()
-    assert fallback.status is Status.FALLBACK
-    assert "callback per record" in fallback.detail and fallback.fix and "gcc" in fallback.fix
+    assert says in fallback.detail and fallback.fix and "gcc" in fallback.fix

@@ -360,15 +360,12 @@ def check_span_encoder() -> Check:
     an install without a C compiler gets (the same bytes, more CPU per span)."""
     from tracejoin.pipeline import span_bytes
 
-    if span_bytes.COMPILED:
-        return Check("span encoder", "Build", Status.AVAILABLE, "compiled join (_span_join.c)")
-    return Check(
+    return _compiled_or_fallback(
         "span encoder",
-        "Build",
-        Status.FALLBACK,
+        span_bytes.COMPILED,
+        "compiled join (_span_join.c)",
         "pure-Python join: the install had no C compiler; the same spans, more agent CPU per "
         "span (docs/performance.md)",
-        fix="reinstall with gcc and python3-dev present (scripts/setup.sh installs them)",
     )
 
 
@@ -377,16 +374,21 @@ def check_ring_reader() -> Check:
     callback per record) that an install without a C compiler gets."""
     from tracejoin.kernel import ring
 
-    if ring.COMPILED:
-        return Check("ring reader", "Build", Status.AVAILABLE, "compiled consumer (_ring_read.c)")
-    return Check(
+    return _compiled_or_fallback(
         "ring reader",
-        "Build",
-        Status.FALLBACK,
+        ring.COMPILED,
+        "compiled consumer (_ring_read.c)",
         "BCC's reader, one Python callback per record: the install had no C compiler; the "
         "same records, more agent CPU per record (docs/performance.md)",
-        fix="reinstall with gcc and python3-dev present (scripts/setup.sh installs them)",
     )
+
+
+def _compiled_or_fallback(name: str, compiled: bool, built: str, fallback: str) -> Check:
+    """A compiled hot path's check: built, or the Python fallback with the fix."""
+    if compiled:
+        return Check(name, "Build", Status.AVAILABLE, built)
+    fix = "reinstall with gcc and python3-dev present (scripts/setup.sh installs them)"
+    return Check(name, "Build", Status.FALLBACK, fallback, fix=fix)
 
 
 def _from_probe(name: str, group: str, required: bool, probe: Callable[[], ProbeResult]) -> Check:
