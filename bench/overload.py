@@ -32,18 +32,19 @@ def phase(port: int, sink: int, budget: str, args: argparse.Namespace) -> dict[s
     """One agent process, one burst at --rate, then --settle seconds at a tenth of it."""
     agent = m.AgentRun([port], AGENT_CPU, sink_port=sink, extra_args=["--cpu-budget", budget])
     agent.start()
-    ratios: list[tuple[float, float]] = []
+    ratios: list[tuple[float, float, int]] = []  # (s since start, ratio, lost so far)
     done = threading.Event()
     t0 = time.monotonic()
 
     def sample() -> None:
         while not done.wait(0.5):
             try:
-                ratio = agent.metrics().get("sampling_ratio")
+                now = agent.metrics()
             except OSError:
                 continue
-            if ratio is not None:
-                ratios.append((round(time.monotonic() - t0, 1), ratio))
+            if "sampling_ratio" in now:
+                lost = now.get("kernel_ringbuf_full", 0) - before.get("kernel_ringbuf_full", 0)
+                ratios.append((round(time.monotonic() - t0, 1), now["sampling_ratio"], int(lost)))
 
     try:
         before, c0 = agent.metrics(), agent.cpu_split()
@@ -80,8 +81,8 @@ def show(p: dict[str, Any]) -> None:
         f"spans exported {p['spans_exported']:,}; {p['cpu_us_per_record']} µs/record"
     )
     if p["ratio_over_time"]:
-        trace = ", ".join(f"{t:g}s {r:.3g}" for t, r in p["ratio_over_time"])
-        print(f"    sampling ratio: {trace}")
+        trace = ", ".join(f"{t:g}s {r:.3g} ({lost:,})" for t, r, lost in p["ratio_over_time"])
+        print(f"    sampling ratio (lost so far): {trace}")
     for line in p["budget_log"][:12]:
         print(f"    {line.split('cpu budget', 1)[1].strip()}")
     if len(p["budget_log"]) > 12:

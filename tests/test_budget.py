@@ -88,6 +88,14 @@ def test_a_backlog_being_caught_up_with_is_not_halved_again():
     assert [ctl.filled(t, f) for t, f in [(1.2, 0.6), (1.4, 0.7)]] == [0.5, 0.25]
 
 
+def test_a_backlog_that_barely_shrinks_is_still_behind():
+    """A starved reader drains a full ring a little per batch while new records refill it: it
+    is losing, not catching up, so the ratio is halved again."""
+    ctl = BudgetController(budget=0.5)
+    seen = [ctl.filled(t, f) for t, f in [(0.0, 1.0), (0.2, 0.99), (0.4, 0.97), (0.6, 0.96)]]
+    assert seen == [1.0, 0.5, 0.25, 0.125]
+
+
 def test_fill_changes_nothing_with_the_budget_off():
     ctl = BudgetController(budget=0.0)
     assert [ctl.filled(t / 10, 1.0) for t in range(10)] == [1.0] * 10

@@ -30,6 +30,10 @@ MIN_INTERVAL_S = 0.9
 # paused, or stopped and continued; a shrinking one is being caught up with: halving again
 # while it drains would overshoot.)
 FILL_HIGH = 0.5
+# Caught up with: the backlog shrank by at least this share of the ring since the last batch
+# (the compiled reader takes an eighth per batch: a reader that keeps up drains about that much;
+# a starved one, a little or nothing, and it is still losing once the ring is full).
+FILL_DRAIN = 1 / 16
 FILL_BATCHES = 2
 FILL_STEP_S = 0.1
 
@@ -43,7 +47,7 @@ class BudgetController:
     its budget) halve it: the reader is not keeping up. Losses while it was idle are not its load
     (a stopped process, a reader paused on purpose) and change nothing. Between readings, the
     reader reports how much of the ring each batch found to read (`filled`): FILL_BATCHES in a
-    row from FILL_HIGH on, not shrinking, halve the ratio at once, before the ring overflows (a
+    row from FILL_HIGH on, the backlog not draining by FILL_DRAIN a batch, halve the ratio at once, before the ring overflows (a
     CPU-starved reader falls behind below its budget too). Raising: by 1.5x a reading while the
     share stays below RAISE_BELOW of the budget, nothing is lost and no batch filled the ring
     that far since the last reading.
@@ -71,7 +75,7 @@ class BudgetController:
     def filled(self, now_s: float, fraction: float) -> float:
         """The reader took a batch that filled `fraction` of the ring; returns the ratio."""
         with self._lock:
-            behind = fraction >= FILL_HIGH and fraction >= self._prev_fill
+            behind = fraction >= FILL_HIGH and fraction > self._prev_fill - FILL_DRAIN
             self._prev_fill = fraction
             self._full_batches = self._full_batches + 1 if behind else 0
             if self.budget <= 0 or self._full_batches < FILL_BATCHES:
