@@ -12,6 +12,7 @@
    pinned to CPU0 with the load generator (2 CPUs: see docs/performance.md); variants: the
    probes attached with the agent stopped (kernel cost alone), and the agent on the server's
    CPU. Also an unrelated process's read/write/getppid cost, with and without the probes.
+   The agents' CPU budget is off (--cpu-budget to change it): every request is traced.
 2. Agent cost: CPU per traced request, peak RSS, start-up to ready, BPF ns per program hit
    (kernel.bpf_stats_enabled on only during the loss curve, then restored), records per request.
 3. Loss curve: offered requests/s vs records delivered and lost (kernel and user space).
@@ -73,6 +74,10 @@ class Config:
     kernel_phase: bool = True  # also: probes attached, agent process stopped
     shared_phase: bool = True  # also: the agent moved onto the server's CPU
     destination: str = "otlp"  # "otlp": OTLP/HTTP protobuf to bench/otlp_sink; "file": JSON
+    # The agents run with the CPU budget off: the targets are the cost of tracing every request,
+    # and a budget sheds instead of paying it (bench.overload measures the budget itself).
+    # --cpu-budget 0.5 measures the agent as deployed.
+    cpu_budget: str = "0"
 
 
 QUICK = Config(
@@ -248,7 +253,8 @@ class Bench:
             self.log("  " + phase_line(rec))
 
     def start_agent(self) -> m.AgentRun:
-        agent = m.AgentRun([self.port], self.cfg.agent_cpu, self.sink_port)
+        budget = ["--cpu-budget", self.cfg.cpu_budget]
+        agent = m.AgentRun([self.port], self.cfg.agent_cpu, self.sink_port, extra_args=budget)
         agent.start()
         self.log(
             f"  agent ready in {agent.startup_s:.2f} s (probes {agent.load_s:.1f} s); "
@@ -729,6 +735,9 @@ def format_report(res: dict[str, Any]) -> str:
         "otlp": "OTLP/HTTP protobuf to a local sink that discards",
         "file": "OTLP-JSON file on tmpfs",
     }[cfg["destination"]]
+    budget = cfg.get("cpu_budget")  # absent: results from before the budget could shed
+    if budget is not None:
+        dest += "; CPU budget " + ("off" if float(budget) == 0 else budget)
     L.append(f"2. Agent cost (tracejoin run; spans: {dest})")
     st = [a["startup_s"] for a in ag["runs"]]
     load = _mean([a["probe_load_s"] for a in ag["runs"]])
@@ -947,6 +956,12 @@ def main(argv: list[str] | None = None) -> int:
         help="where the agent exports: otlp (default; OTLP/HTTP protobuf to a local sink that "
         "discards) or file (OTLP-JSON lines on tmpfs)",
     )
+    ap.add_argument(
+        "--cpu-budget",
+        type=float,
+        help="the agents' --cpu-budget (default 0: off, every request traced, what the targets "
+        "measure; 0.5: as deployed, the budget sheds above it)",
+    )
     ap.add_argument("--json", type=Path, help="write the JSON here instead of bench/results/")
     ap.add_argument(
         "--report", type=Path, help="print the table of a saved JSON result; run nothing"
@@ -966,6 +981,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = Config(**{**asdict(cfg), "phase_s": args.phase_seconds})
     if args.destination:
         cfg = Config(**{**asdict(cfg), "destination": args.destination})
+    if args.cpu_budget is not None:
+        cfg = Config(**{**asdict(cfg), "cpu_budget": f"{args.cpu_budget:g}"})
     if (os.cpu_count() or 1) < 2:
         cfg = Config(**{**asdict(cfg), "server_cpu": None, "load_cpu": None, "agent_cpu": None})
     elif cfg.load_cpu is not None:

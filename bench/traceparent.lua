@@ -11,10 +11,17 @@ function init(args)
   hi2 = math.random(0, 0x7fffffff)
 end
 
+-- The low 8 bytes are random, as an SDK's are: a TraceIdRatioBased sampler (and tracejoin's CPU
+-- budget, which decides as it does) compares them with ratio x 2^64, so a counter there would
+-- be kept at every ratio. Uniqueness comes from the upper half (thread prefix, counter).
+local function rand32()
+  return math.floor(math.random() * 0x100000000)
+end
+
 request = function()
   seq = seq + 1
   local tp = string.format("00-%08x%08x%08x%08x-%08x%08x-01",
-    hi1, hi2, math.floor(seq / 0x100000000), seq % 0x100000000, hi2, seq % 0x100000000 + 1)
+    hi1, seq % 0x100000000, rand32(), rand32(), hi2, seq % 0x100000000 + 1)
   return wrk.format(nil, nil, { ["traceparent"] = tp })
 end
 
