@@ -1,6 +1,7 @@
 """Overload: what the CPU budget does when the traffic is more than the agent can read.
 
     sudo python -m bench.overload [--rate 20000] [--seconds 6] [--rounds 2] [--settle 5]
+                                  [--json PATH] [--report PATH]
 
 `tracejoin run` (the Go test server alone on CPU1; the agent, tj-loadgen at nice -10 and the
 OTLP sink on CPU0: the bench's standard placement) under open-loop traffic at --rate, once with
@@ -97,7 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=5, help="seconds at rate/10 after the burst")
     ap.add_argument("--budget", default="0.5", help="the --cpu-budget of the 'on' phases")
     ap.add_argument("--json", help="write every phase's figures here")
+    ap.add_argument("--report", help="print a saved --json result again; run nothing")
     args = ap.parse_args(argv)
+    if args.report:
+        with open(args.report) as f:
+            saved = json.load(f)
+        a = saved["args"]
+        print(f"{a['rate']:,.0f} req/s for {a['seconds']:g} s, {a['rounds']} rounds")
+        for p in saved["phases"]:
+            show(p)
+        return 0
     if os.geteuid() != 0:
         print("bench.overload loads BPF programs: run it as root", file=sys.stderr)
         return 2

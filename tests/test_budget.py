@@ -96,6 +96,16 @@ def test_a_backlog_that_barely_shrinks_is_still_behind():
     assert seen == [1.0, 0.5, 0.25, 0.125]
 
 
+def test_losses_the_fill_rule_answered_are_not_halved_for_again():
+    ctl = BudgetController(budget=0.5)
+    ctl.update(0.0, 0.0, 0)
+    assert [ctl.filled(t, 0.9) for t in (0.1, 0.2)] == [1.0, 0.5]
+    # the ring overflowed before that halving took hold, with the agent busy: not halved again
+    assert ctl.update(1.0, 0.3, 500) == 0.5
+    # losses in a later interval without a fill-lowering still halve
+    assert ctl.update(2.0, 0.6, 900) == 0.25
+
+
 def test_fill_changes_nothing_with_the_budget_off():
     ctl = BudgetController(budget=0.0)
     assert [ctl.filled(t / 10, 1.0) for t in range(10)] == [1.0] * 10

@@ -44,7 +44,8 @@ class BudgetController:
 
     Lowering: the agent's CPU is mostly per record, so the ratio is scaled by budget/share (with
     10 % headroom), at most 4x at once. Ring-buffer losses while the agent was busy (at least half
-    its budget) halve it: the reader is not keeping up. Losses while it was idle are not its load
+    its budget) halve it: the reader is not keeping up (unless the fill rule below halved it in
+    that interval already). Losses while it was idle are not its load
     (a stopped process, a reader paused on purpose) and change nothing. Between readings, the
     reader reports how much of the ring each batch found to read (`filled`): FILL_BATCHES in a
     row from FILL_HIGH on, the backlog not draining by FILL_DRAIN a batch, halve the ratio at once, before the ring overflows (a
@@ -99,7 +100,8 @@ class BudgetController:
         if last is None or self.budget <= 0 or now_s <= last[0]:
             return self.ratio
         self.share = share = max(0.0, cpu_s - last[1]) / (now_s - last[0])
-        lost = ringbuf_full > last[2] and share >= self.budget / 2
+        # losses the fill rule already answered in this interval are not halved for again
+        lost = ringbuf_full > last[2] and share >= self.budget / 2 and not filled
         self._over = self._over + 1 if share > self.budget else 0
         if lost or self._over >= OVER_TICKS:
             scale = 0.5 if lost else 1.0
