@@ -45,13 +45,13 @@ class BudgetController:
     Lowering: the agent's CPU is mostly per record, so the ratio is scaled by budget/share (with
     10 % headroom), at most 4x at once. Ring-buffer losses while the agent was busy (at least half
     its budget) halve it: the reader is not keeping up (unless the fill rule below halved it in
-    that interval already). Losses while it was idle are not its load
-    (a stopped process, a reader paused on purpose) and change nothing. Between readings, the
-    reader reports how much of the ring each batch found to read (`filled`): FILL_BATCHES in a
-    row from FILL_HIGH on, the backlog not draining by FILL_DRAIN a batch, halve the ratio at once, before the ring overflows (a
-    CPU-starved reader falls behind below its budget too). Raising: by 1.5x a reading while the
-    share stays below RAISE_BELOW of the budget, nothing is lost and no batch filled the ring
-    that far since the last reading.
+    that interval already). Losses while it was idle are not its load (a stopped process, a
+    reader paused on purpose) and change nothing. Between readings, the reader reports how much
+    of the ring each batch found to read (`filled`): FILL_BATCHES in a row from FILL_HIGH on,
+    the backlog not draining by FILL_DRAIN a batch, halve the ratio at once, before the ring
+    overflows (a CPU-starved reader falls behind below its budget too). Raising: by 1.5x a
+    reading while the share stays below RAISE_BELOW of the budget, nothing is lost and no batch
+    filled the ring that far since the last reading.
 
     `update` (the main thread's readings) and `filled` (the reader's batches) may run at once:
     both change the ratio under one lock and return it."""
