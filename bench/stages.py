@@ -9,7 +9,7 @@ tight loop: decode, enrichment (traceparent validation inside), span building, m
 encoders (OTLP-JSON for the file destination `tracejoin run` writes in bench/run.py, OTLP
 protobuf for the OTLP destinations). CPU µs per record, best of 3. What the live agent spends
 beyond their sum is the ring read (the compiled consumer, or BCC's ctypes callback per record
-where it was not built), the queues, the threads, and caches cold after each 25 ms sleep (the
+where it was not built), the queues, the threads, and caches cold after each sleep (POLL_MS) (the
 replay of live records measured ~2x below the live agent's per-record CPU: docs/performance.md).
 """
 

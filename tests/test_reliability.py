@@ -772,12 +772,14 @@ def test_churn_stays_within_lru_bounds_and_never_misattributes(rel):
             )
         took = time.monotonic() - t0
         second = idle.another_round(1)
+        # once more while the idle connections are still open (a churn faster than the
+        # sampler's first 2 s wait was sampled only after they closed: `conns` read 0)
+        for k, v in pipe.source.map_sizes().items():
+            sizes[k] = max(sizes.get(k, 0), v)
     finally:
         stop.set()
         sampler.join()
         idle.close()
-    for k, v in pipe.source.map_sizes().items():
-        sizes[k] = max(sizes.get(k, 0), v)
     sent = churned + idle.sent
     # the reader has drained the ring buffer: every record submitted was received or lost
     deadline = time.monotonic() + 180
