@@ -10,7 +10,8 @@ import pytest
 
 from bench.run import format_report, judged
 
-REFERENCE = sorted((Path(__file__).parent.parent / "bench/results/reference").glob("*.json"))
+REFERENCE_DIR = Path(__file__).parent.parent / "bench/results/reference"
+REFERENCE = sorted(REFERENCE_DIR.glob("*.json"))
 
 
 @pytest.mark.parametrize("path", REFERENCE, ids=[p.name for p in REFERENCE])
@@ -73,3 +74,16 @@ def test_saved_records_replay_through_the_stages(tmp_path: Path) -> None:
     res = replay(load_records(tmp_path / "live.rec")[::2])
     assert res["spans per record"] == 1  # the sample record makes its server span only
     assert {"decode", "Enricher.enrich", "encode_spans", "sum"} <= set(res)
+
+
+OVERLOAD = sorted(REFERENCE_DIR.joinpath("overload").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", OVERLOAD, ids=[p.name for p in OVERLOAD])
+def test_every_overload_reference_reports(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench.overload --report re-prints what docs/performance.md pastes from it."""
+    from bench.overload import main
+
+    assert main(["--report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "budget  off:" in out and "budget  0.5:" in out and "sampling ratio" in out
