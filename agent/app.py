@@ -312,18 +312,19 @@ class Agent:
         with self._sampling_lock:
             before = self.budget.ratio
             ratio = self.budget.filled(time.monotonic(), fraction)
-            self._set_sampling(
-                before, ratio, f"the reader behind: a batch took {fraction:.0%} of the ring"
-            )
+            why = "the reader behind: a batch took %.0f%% of the ring"
+            self._set_sampling(before, ratio, why, fraction * 100)
 
-    def _set_sampling(self, before: float, ratio: float, why: str) -> None:
+    def _set_sampling(self, before: float, ratio: float, why: str, value: float) -> None:
+        """Hand a changed ratio to the kernel and log why (`why` % value: formatted only then,
+        since the reader calls this for every batch)."""
         set_sampling = getattr(self.source, "set_sampling", None)
         if ratio != before and set_sampling is not None:
             set_sampling(ratio)
             log.info(
-                "cpu budget %.2f: %s; sampling ratio %.4g -> %.4g",
+                "cpu budget %.2f: " + why + "; sampling ratio %.4g -> %.4g",
                 self.budget.budget,
-                why,
+                value,
                 before,
                 ratio,
             )
@@ -336,7 +337,7 @@ class Agent:
                 self.budget.skip()  # verifying HTTP/2's programs after ready: not load to shed
             else:
                 ratio = self.budget.update(time.monotonic(), cpu_s, ringbuf_full)
-            self._set_sampling(before, ratio, f"agent at {self.budget.share:.2f} of a CPU")
+            self._set_sampling(before, ratio, "agent at %.2f of a CPU", self.budget.share)
         self.metrics.set("sampling_ratio", ratio)
         self.metrics.set("agent_cpu_share", round(self.budget.share, 4))
         shed = getattr(self.source, "shed", None)

@@ -50,6 +50,7 @@ from tracejoin.kernel.ring import RingReader
 
 log = logging.getLogger(__name__)
 
+RING_BYTES = RINGBUF_PAGES * 4096  # the `events` ring buffer (bpf/http.c)
 # struct agg_key.why -> the name user space gives it (metrics' `why` label)
 AGG_WHY = {AGG_SHED: "shed", AGG_UNSAMPLED: "unsampled", AGG_NO_PARENT: "no_parent"}
 
@@ -287,7 +288,7 @@ class HttpProbes:
         self._bpf: object | None = None
         self._batch: list[bytes] = []
         self._ring: RingReader | None = None
-        self.ring_bytes = RINGBUF_PAGES * 4096  # the records ring's size (the overload budget)
+        self.ring_bytes = RING_BYTES  # the records ring's size (the overload budget)
         self.cuda: CudaProbes | None = None
         self._h2_loader: threading.Thread | None = None
         self._detaching = False  # detach() has begun and not returned (shutdown() checks it)
@@ -673,7 +674,7 @@ _MEMBER_PIDS_AT = tuple(
 # size): a reader falling behind hands the pipeline, and so the overload budget's fill check,
 # a batch every few tens of ms instead of a whole ring's worth after seconds. Records left in
 # the ring make the next poll return at once.
-READ_SLICE = RINGBUF_PAGES * 4096 // 8 // (REC_HTTP_FIXED_SIZE + 8)
+READ_SLICE = RING_BYTES // 8 // (REC_HTTP_FIXED_SIZE + 8)
 
 
 def _record_pids(batch: list[bytes]) -> set[int]:
@@ -708,7 +709,7 @@ def _workset_knobs(knobs: dict[str, int | None], disabled: frozenset[str]) -> st
 def wake_every(ncpus: int) -> int:
     """Records per CPU between forced reader wake-ups: the largest power of two with which all
     CPUs together cannot fill more than half the ring with records no one was woken for."""
-    per_cpu = RINGBUF_PAGES * 4096 // (ctypes.sizeof(HttpRecord) + 8) // 2 // max(1, ncpus)
+    per_cpu = RING_BYTES // (ctypes.sizeof(HttpRecord) + 8) // 2 // max(1, ncpus)
     return 1 << max(0, per_cpu.bit_length() - 1) if per_cpu else 1
 
 

@@ -24,11 +24,11 @@ OVER_TICKS = 2  # consecutive readings above the budget before lowering (start-u
 # over a few ms is noise (two of them right after HTTP/2's verification once shed 30 %).
 MIN_INTERVAL_S = 0.9
 # Batches that found at least this share of the ring to read, FILL_BATCHES in a row and the
-# backlog not shrinking: the reader is falling behind, and at 20k req/s the ring is full a
-# fraction of a second later, long before the next reading. The ratio is halved at once, at
-# most once per FILL_STEP_S. (One full batch alone is a backlog, not a rate: a reader that was
-# paused, or stopped and continued; a shrinking one is being caught up with: halving again
-# while it drains would overshoot.)
+# backlog not draining by FILL_DRAIN a batch: the reader is falling behind, and at 20k req/s
+# the ring is full a fraction of a second later, long before the next reading. The ratio is
+# halved at once, at most once per FILL_STEP_S. (One full batch alone is a backlog, not a rate:
+# a reader that was paused, or stopped and continued; a draining one is being caught up with:
+# halving again while it drains would overshoot.)
 FILL_HIGH = 0.5
 # Caught up with: the backlog shrank by at least this share of the ring since the last batch
 # (the compiled reader takes an eighth per batch: a reader that keeps up drains about that much;
