@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 
 # The reader takes what the ring holds every POLL_MS (the kernel wakes it earlier only when half
 # the ring could be full): one wake-up per batch instead of one per record; spans leave at most
-# this much later. A wake-up is dear: ~100-150 µs of the thread's CPU on the 2-vCPU KVM guests
-# (an empty epoll wait with a 25 ms timeout, alone), and each batch starts with cold caches. At
+# this much later. A wake-up is dear: ~70-140 µs of the thread's CPU on the 2-vCPU KVM guests
+# (an empty epoll wait, alone: bench.idle_cost), and each batch starts with cold caches. At
 # 1k req/s, 100 ms instead of 25 took the agent from ~52 to ~32-40 µs per record; 200 ms was no
 # better than 100 (docs/performance.md).
 POLL_MS = 100
