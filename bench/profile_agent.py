@@ -3,7 +3,7 @@
     sudo python -m bench.profile_agent [--rate 1000] [--seconds 5] [--top 20] [--no-profile]
                                         [--batch-ms N] [--destination otlp|file] [--gc]
                                         [--unsampled] [--kernel-policy on|off]
-                                        [--join compiled|python] [--ring compiled|bcc]
+                                        [--encoder compiled|join|python] [--ring compiled|bcc]
                                         [--save-records PATH]
 
 Builds the pipeline the way `tracejoin run` does (the daemon's span builder and destination:
@@ -231,10 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         "--load-cpu", type=int, default=0, help="CPU of the load generator (1: off the agent's)"
     )
     ap.add_argument(
-        "--join",
-        choices=["compiled", "python"],
+        "--encoder",
+        choices=span_bytes.ENCODERS,
         default="compiled",
-        help="span_bytes' join: the compiled one (as installed) or the pure-Python fallback",
+        help="the server span's writer: the compiled one (as installed), the Python encoder on "
+        "the compiled join (before 2026-12-03), or pure Python (no compiler)",
     )
     ap.add_argument(
         "--save-records",
@@ -253,10 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("profile_agent: must run as root (BPF)", file=sys.stderr)
         return 2
-    if args.join == "python":
-        span_bytes._join = span_bytes._join_py
-    elif not span_bytes.COMPILED:
-        print("profile_agent: the compiled join is not built (scripts/setup.sh)", file=sys.stderr)
+    try:
+        span_bytes.use_encoder(args.encoder)
+    except RuntimeError as exc:
+        print(f"profile_agent: {exc}", file=sys.stderr)
         return 2
     os.sched_setaffinity(0, {0})
     LOAD_CPU[0] = args.load_cpu

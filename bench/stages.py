@@ -2,6 +2,7 @@
 
     python -m bench.stages
     python -m bench.stages --records PATH   # live records from bench.profile_agent --save-records
+    python -m bench.stages --records PATH --encoder join|python   # ... on another span writer
 
 One realistic record (GET with a valid sampled traceparent, tuple known, receive-queue wait,
 TLB flush fallback: what the Go server produces) goes through each stage of `tracejoin run` in a
@@ -88,13 +89,12 @@ def _best_us(fn: Callable[[], object], n: int, per: int = 1) -> float:
     return best * 1e6 / per
 
 
-def _with_python_join(measure: Callable[[], float]) -> float:
-    compiled = span_bytes._join
-    span_bytes._join = span_bytes._join_py
+def _with_encoder(which: str, measure: Callable[[], float]) -> float:
+    span_bytes.use_encoder(which)
     try:
         return measure()
     finally:
-        span_bytes._join = compiled
+        span_bytes.use_encoder("compiled" if span_bytes.COMPILED else "python")
 
 
 def run(n: int = 20_000) -> dict[str, Any]:
@@ -131,10 +131,13 @@ def run(n: int = 20_000) -> dict[str, Any]:
         "encode_spans (server span -> bytes, no objects)": _best_us(
             lambda: encode_spans(e, opts, enricher.new_id), n
         ),
-        # the same with the pure-Python join (an install without a C compiler): what the
-        # compiled join buys
-        "the same, on the pure-Python join (no compiler)": _with_python_join(
-            lambda: _best_us(lambda: encode_spans(e, opts, enricher.new_id), n)
+        # the Python encoder on the compiled join (before the compiled server span), and all
+        # Python (an install without a C compiler): what each compiled piece buys
+        "the same, Python encoder on the compiled join": _with_encoder(
+            "join", lambda: _best_us(lambda: encode_spans(e, opts, enricher.new_id), n)
+        ),
+        "the same, on the pure-Python join (no compiler)": _with_encoder(
+            "python", lambda: _best_us(lambda: encode_spans(e, opts, enricher.new_id), n)
         ),
         "OTLP request of encoded spans (OTLP destinations)": _best_us(
             lambda: encode_request_bytes(encoded_batch), reps, BATCH
@@ -145,7 +148,7 @@ def run(n: int = 20_000) -> dict[str, Any]:
     otlp_path = ("decode", "Enricher", "encode_spans", "Metrics", "OTLP request of")
     in_otlp_path = [k for k in stages if k.startswith(otlp_path)]
     return {
-        "join": "compiled" if span_bytes.COMPILED else "pure-Python",
+        "join": "compiled server span" if span_bytes.COMPILED else "pure-Python",
         "spans_per_record": len(spans),
         "server_span_attributes": len(spans[0].attributes),
         "us_per_record": {k: round(v, 2) for k, v in stages.items()},
@@ -235,14 +238,25 @@ def main(argv: list[str] | None = None) -> int:
         help="replay live records saved by `bench.profile_agent --save-records PATH` through "
         "decode, enrich and encode_spans instead of timing the synthetic one",
     )
+    ap.add_argument(
+        "--encoder",
+        choices=span_bytes.ENCODERS,
+        default="compiled",
+        help="with --records: the server span's writer (compiled as installed; the Python encoder "
+        "on the compiled join; pure Python)",
+    )
     args = ap.parse_args(argv)
     if args.records:
+        span_bytes.use_encoder(args.encoder)
         records = load_records(args.records)
         if not records:
             print(f"bench.stages: no records in {args.records}", file=sys.stderr)
             return 2
         res = replay(records)
-        print(f"{len(records):,} live records from {args.records}; CPU µs per record, best of 5:")
+        print(
+            f"{len(records):,} live records from {args.records}, encoder {args.encoder}; "
+            "CPU µs per record, best of 5:"
+        )
         for k, v in res.items():
             print(f"  {k:<20} {v:>8.2f}")
         return 0

@@ -91,7 +91,8 @@ venv() {
     # A dev install includes the runtime one: either stamp, if newer than pyproject.toml, will do.
     for stamp in "$VENV/.tracejoin-installed-dev" "$VENV/.tracejoin-installed-$kind"; do
         if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] \
-            && [ "$stamp" -nt agent/pipeline/_span_join.c ] \
+            && [ "$stamp" -nt agent/pipeline/_span_bytes.c ] \
+            && [ "$stamp" -nt bpf/http_record.h ] \
             && [ "$stamp" -nt agent/kernel/_ring_read.c ]; then return 0; fi
     done
     say "installing tracejoin ($kind dependencies) into $VENV"

@@ -169,7 +169,7 @@ def test_the_wheel_installs_only_the_tracejoin_package(wheel: Path) -> None:
     shipped = {n for n in names if not n.startswith(dist_info + "/")}
     assert shipped == expected_wheel_files()
     assert {"tracejoin/bpf/http.c", "tracejoin/bpf/http_record.h"} <= shipped
-    assert any(n.startswith("tracejoin/pipeline/_span_join.") for n in shipped)
+    assert any(n.startswith("tracejoin/pipeline/_span_bytes.") for n in shipped)
     assert any(n.startswith("tracejoin/kernel/_ring_read.") for n in shipped)
 
 

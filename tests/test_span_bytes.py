@@ -1,7 +1,9 @@
 """The object-free span path (pipeline/span_bytes.py) against the reference (build_spans +
 otlp_proto): for a varied set of records both are built with the same ids and must give the
-same ExportTraceServiceRequest, byte for byte and as parsed messages. And the pipeline takes
-the object-free path only when every destination sends OTLP protobuf and nothing observes."""
+same ExportTraceServiceRequest, byte for byte and as parsed messages, on each of its writers
+(the compiled server_span, the Python encoder on the compiled join, all Python). And the
+pipeline takes the object-free path only when every destination sends OTLP protobuf and
+nothing observes."""
 
 from __future__ import annotations
 
@@ -82,7 +84,7 @@ def _cuda(r: HttpRecord, shared: bool) -> None:
 def records() -> list[tuple[str, HttpRecord]]:
     """Records that vary one or two things each around a plain GET."""
     out: list[tuple[str, HttpRecord]] = []
-    for status in (0, 200, 302, 404, 503):
+    for status in (0, 200, 302, 404, 499, 500, 503):
         out.append((f"status {status}", record(TP, status=status)))
     for name, flag in (
         ("path_trunc", REQF_PATH_TRUNC),
@@ -106,6 +108,9 @@ def records() -> list[tuple[str, HttpRecord]]:
     r = record(TP)
     r.conn_id, r.seq, r.retrans, r.srtt_us, r.unacked_max = (1 << 64) - 1, 1 << 63, 3, 250, 9000
     out.append(("big counters", r))
+    r = record(TP)
+    r.retrans, r.srtt_us, r.unacked_max = 2, 180, 64_000
+    out.append(("tcp stats", r))
     r = record(TP, arrival=0)
     r.resp_start_ns = 0
     out.append(("no arrival, no response start", r))
@@ -141,6 +146,10 @@ def records() -> list[tuple[str, HttpRecord]]:
         _workset(r, shared)
         _cuda(r, shared)
         out.append((f"work set + CUDA shared={shared}", r))
+    r = record(TP)
+    _workset(r, False)
+    r.ws_nslots = 1
+    out.append(("work set, one helper", r))
     return out
 
 
@@ -174,19 +183,27 @@ CASES = [
 
 
 JOINS = {"compiled": span_bytes._join_c, "python": span_bytes._join_py}
+# encoder -> (server_span, join): the compiled server span (the Python encoder for what it leaves
+# to it, on the compiled join), the Python encoder on the compiled join, and no compiler at all
+ENCODERS = {
+    "server_span": (span_bytes._server_span_c, span_bytes._join_c),
+    "compiled join": (None, span_bytes._join_c),
+    "python": (None, span_bytes._join_py),
+}
 
 
-@pytest.fixture(params=list(JOINS))
-def join(request, monkeypatch):
-    """Each case on the compiled join and on the pure-Python fallback."""
-    fn = JOINS[request.param]
-    assert fn is not None, "the compiled join was not built (gcc, python3-dev: scripts/setup.sh)"
-    monkeypatch.setattr(span_bytes, "_join", fn)
+@pytest.fixture(params=list(ENCODERS))
+def encoder(request, monkeypatch):
+    """Each case on each writer."""
+    server_span, join = ENCODERS[request.param]
+    assert span_bytes.COMPILED, "_span_bytes.c was not built (gcc, python3-dev: scripts/setup.sh)"
+    monkeypatch.setattr(span_bytes, "_server_span", server_span)
+    monkeypatch.setattr(span_bytes, "_join", join)
     return request.param
 
 
 @pytest.mark.parametrize(("rec", "variant", "signals", "tlb"), CASES)
-def test_encoded_spans_equal_the_object_path(rec, variant, signals, tlb, join):
+def test_encoded_spans_equal_the_object_path(rec, variant, signals, tlb, encoder):
     enricher = Enricher(Metrics(), resource)
     e = enricher.enrich(rec)
     assert e is not None
@@ -346,3 +363,75 @@ def test_the_compiled_join_leaves_what_it_cannot_write_to_the_caller():
         c([b"x", key])
     with pytest.raises(TypeError):
         c((b"x",))
+
+
+def _server_span_args(r: HttpRecord, opts: SpanOptions, **over) -> list:
+    e = Enricher(Metrics(), resource).enrich(r)
+    assert e is not None
+    prefixes, make_prefix = span_bytes._PREFIXES[False]
+    args = {
+        "rec": r,
+        "prefixes": prefixes,
+        "make_prefix": make_prefix,
+        "trace_id": e.trace_id,
+        "span_id": 1,
+        "parent_id": e.parent_id,
+        "trace_flags": e.trace_flags,
+        "offset": e.clock_offset_ns,
+        "endpoints": e.endpoints,
+        "server_addr": span_bytes._SERVER_ADDR,
+        "client_addr": span_bytes._CLIENT_ADDR,
+        "extra": b"",
+        "gpu": b"",
+        "plan": span_bytes._plan(opts),
+    }
+    args.update(over)
+    return list(args.values())
+
+
+@pytest.mark.parametrize("recvq_child_ns", [0, 10**12])  # with 10**12 the others decide
+@pytest.mark.parametrize(("name", "rec"), records(), ids=[n for n, _ in records()])
+def test_server_span_writes_every_http1_record_but_those_it_leaves_to_python(
+    name, rec, recvq_child_ns
+):
+    """The comparison above passes whoever wrote the span: here, the compiled server span must
+    write every HTTP/1.x record itself, and leave exactly HTTP/2 streams, CUDA sums and values
+    beyond int64 to _encode_py; and say whether child spans may follow as needs_children does."""
+    assert span_bytes._server_span_c is not None
+    opts = SpanOptions(
+        SIGNAL_SETS["cuda"] | {"tcp_stats"},
+        "flush_fallback",
+        recvq_child_threshold_ns=recvq_child_ns,
+    )
+    got = span_bytes._server_span_c(*_server_span_args(rec, opts))
+    left = name.startswith("http2") or "CUDA" in name or name == "big counters"
+    assert (got is None) == left, got
+    if got is not None:
+        body, children = got
+        assert trace_pb2.Span.FromString(body).span_id == (1).to_bytes(8, "big")
+        assert children == span_bytes.needs_children(rec, opts)
+
+
+def test_server_span_rejects_what_it_cannot_read_and_bounds_its_cache():
+    c = span_bytes._server_span_c
+    assert c is not None
+    opts = SpanOptions(SIGNAL_SETS["basic"])
+    rec = record(TP)
+    with pytest.raises(TypeError):
+        c(*_server_span_args(rec, opts)[:-1])
+    with pytest.raises(ValueError):
+        c(*_server_span_args(rec, opts, rec=bytes(rec)[:100]))
+    with pytest.raises(TypeError):
+        c(*_server_span_args(rec, opts, prefixes={}, make_prefix=lambda m, p: "not bytes"))
+    with pytest.raises(ZeroDivisionError):  # the maker's own error, as it is
+        c(*_server_span_args(rec, opts, prefixes={}, make_prefix=lambda m, p: 1 / 0))
+    with pytest.raises(TypeError):
+        c(*_server_span_args(rec, opts, extra="text"))
+    # a port beyond int64 (never from the kernel): left to Python, which writes it as it can
+    far = Endpoints("10.0.0.1", 1 << 64, "10.0.0.2", 1)
+    assert c(*_server_span_args(rec, opts, endpoints=far)) is None
+    # one entry per request line, cleared when full: hostile paths cannot grow it
+    prefixes: dict[bytes, tuple[bytes, bytes]] = {}
+    for i in range(5000):
+        c(*_server_span_args(record(TP, path=f"/p/{i}".encode()), opts, prefixes=prefixes))
+    assert 0 < len(prefixes) <= 4096

@@ -356,15 +356,15 @@ def check_cuda(root: Path) -> Check:
 
 
 def check_span_encoder() -> Check:
-    """Which join writes the server spans' bytes: the compiled one, or the pure-Python fallback
-    an install without a C compiler gets (the same bytes, more CPU per span)."""
+    """Which encoder writes the server spans' bytes: the compiled one, or the pure-Python
+    fallback an install without a C compiler gets (the same bytes, more CPU per span)."""
     from tracejoin.pipeline import span_bytes
 
     return _compiled_or_fallback(
         "span encoder",
         span_bytes.COMPILED,
-        "compiled join (_span_join.c)",
-        "pure-Python join: the install had no C compiler; the same spans, more agent CPU per "
+        "compiled encoder (_span_bytes.c)",
+        "pure-Python encoder: the install had no C compiler; the same spans, more agent CPU per "
         "span (docs/performance.md)",
     )
 

@@ -2,24 +2,30 @@
 no attribute dict: the object-free twin of spans.build_spans, for destinations that only send
 OTLP protobuf (`tracejoin run`, a capture whose destinations all accept encoded spans).
 
-Everything constant is encoded once, at import: each attribute key with its KeyValue/AnyValue
-framing for every varint length, the fixed (network.*) pair, the span kinds and statuses. Per
-record this module only decides which fields the span has, in a list of parts (bytes, and each
-int attribute as its IntKey and the value), and one join writes them: `_span_join.c` where it
-was compiled at install, `_join_py` where not (the same bytes; tests run both). build_spans
-stays the reference: `test_span_bytes` builds both over a varied set of records and compares
-the request bytes, so the attribute order here follows build_spans' line by line; a change to
-one must be made to the other.
+Two writers of the same bytes. Where `_span_bytes.c` was compiled at install, its server_span
+writes an HTTP/1.x record's span in one call: it reads the kernel's struct itself (the probes'
+own header) and writes the ids, times and every int and flag attribute, while the strings stay
+here, encoded once and cached (the span name with the method and path fields per request
+line, the addresses, the process's sources), and are passed in as bytes. `_encode_py` is the
+reference and the fallback (no compiler; HTTP/2 streams; CUDA sums; a value beyond int64):
+constant parts are encoded once at import (each attribute key with its KeyValue/AnyValue
+framing for every varint length, the fixed network.* pair, kinds, statuses), and per record it
+lists the span's parts (bytes, and each int attribute as its IntKey and the value) for one
+join, compiled or `_join_py`. build_spans stays the reference of both: `test_span_bytes`
+builds all three over a varied set of records and compares the request bytes, so the
+attribute order here, and in the C, follows build_spans' line by line; a change to one must be
+made to all.
 
 Child spans (a long receive-queue wait, run-queue waits, work-set helpers, CUDA waits) keep the
 object path: they are rare and their parent only lends its ids; the OTLP encoder takes a batch
-that mixes both. HTTP/2 streams take this path too, with build_spans' own helpers for what is
+that mixes both. HTTP/2 streams take `_encode_py`, with build_spans' own helpers for what is
 decided rather than copied (h2_call, server_status).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import partial
 
 from tracejoin.core.model import (
     KIND_INTERNAL,
@@ -57,6 +63,7 @@ from tracejoin.kernel.decode import (
 )
 from tracejoin.pipeline.spans import (
     KERNEL_SUFFIX,
+    SIG_CUDA,
     SIG_FAULTS,
     SIG_RECVQ,
     SIG_SCHED,
@@ -105,7 +112,8 @@ def _int_key(key: str) -> IntKey:
 
 def _join_py(parts: list[bytes | int]) -> bytes:
     """A span's parts -> the bytes of its OTLP Span message. A part is bytes, written as it is,
-    or an IntKey followed by an int: that attribute's field. _span_join.c is the same in C."""
+    or an IntKey followed by an int: that attribute's field. _span_bytes.c's join is the same in
+    C."""
     out: list[bytes] = []
     add = out.append
     values = iter(parts)
@@ -122,13 +130,28 @@ def _join_py(parts: list[bytes | int]) -> bytes:
     return b"".join(out)
 
 
-try:  # the compiled join (built where a C compiler was, at install): the same bytes, faster
-    from tracejoin.pipeline._span_join import join as _join_c
+try:  # compiled where a C compiler was, at install: the same bytes, faster
+    from tracejoin.pipeline._span_bytes import join as _join_c
+    from tracejoin.pipeline._span_bytes import server_span as _server_span_c
 except ImportError:  # pragma: no cover - the pure-Python fallback, under the same tests
-    _join_c = None
+    _join_c = _server_span_c = None
 
 _join: Callable[[list[bytes | int]], bytes] = _join_c or _join_py
-COMPILED = _join_c is not None  # which one encode_spans uses (bench, doctor)
+_server_span = _server_span_c  # None: every span takes _encode_py (tests and bench switch it)
+COMPILED = _server_span_c is not None  # which one encode_spans uses (bench, doctor)
+ENCODERS = ("compiled", "join", "python")
+
+
+def use_encoder(which: str) -> None:
+    """For the bench: "compiled" (as installed), "join" (the Python encoder on the compiled join,
+    the path before server_span) or "python" (an install without a C compiler)."""
+    global _server_span, _join
+    if which not in ENCODERS:
+        raise ValueError(f"encoder {which!r}: one of {', '.join(ENCODERS)}")
+    if which != "python" and not COMPILED:
+        raise RuntimeError("_span_bytes.c was not built (gcc, python3-dev: scripts/setup.sh)")
+    _server_span = _server_span_c if which == "compiled" else None
+    _join = _join_c if which != "python" else _join_py
 
 
 def _str_writer(key: str) -> StrWriter:
@@ -252,11 +275,8 @@ def _tlb(name: str) -> IntKey:
     return k
 
 
-def encode_spans(
-    e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], int]
-) -> list[Span | EncodedSpan]:
-    """What build_spans(e, opts, new_id) makes, with the server span as bytes (same ids drawn
-    from new_id in the same order, same attributes in the same order)."""
+def _encode_py(e: EnrichedRecord, opts: SpanOptions, span_id: int) -> bytes:
+    """The server span's bytes, in Python: any record (server_span's reference)."""
     rec = e.rec
     on = opts.signals
     method, method_original = http_method(rec.method_bytes())
@@ -266,7 +286,6 @@ def encode_spans(
     h2_flags = rec.h2_flags
     h2 = h2_flags & H2F_STREAM
     grpc_code, call = h2_call(rec, path) if h2 else (None, None)
-    span_id = new_id(64)
     # each ctypes field read makes a new int: read the times once (EnrichedRecord's
     # start_mono_ns/end_mono_ns, inline)
     arrival_ns, read_ns, off = rec.arrival_ns, rec.read_ns, e.clock_offset_ns
@@ -397,11 +416,114 @@ def encode_spans(
         p.append(_attributes(e.gpu))
     p.append(_status_field(server_status(rec, grpc_code)))
     try:
-        body = _join(p)
+        return _join(p)
     except OverflowError:  # an int beyond int64: the compiled join leaves those to Python's
-        body = _join_py(p)
+        return _join_py(p)
+
+
+def _request_prefix(method_raw: bytes, path_raw: bytes, instrumented: bool) -> tuple[bytes, bytes]:
+    """For server_span, per request line: the fields from the span's name to network.* (name,
+    kind, method, url.path, network.*), and the http.request.method_original field (or b"")."""
+    method, method_original = http_method(method_raw)
+    path = url_path(path_raw)
+    pre = (
+        _name_field(method, path, instrumented)
+        + _KIND[KIND_INTERNAL if instrumented else KIND_SERVER]
+        + _METHOD(method)
+        + _PATH(path)
+        + _NETWORK
+    )
+    return pre, b"" if method_original is None else _METHOD_ORIGINAL(method_original)
+
+
+# server_span's cache of _request_prefix (it bounds it) and the maker, per span kind
+_PREFIXES: dict[bool, tuple[dict[bytes, tuple[bytes, bytes]], Callable[..., tuple[bytes, bytes]]]]
+_PREFIXES = {
+    instrumented: ({}, partial(_request_prefix, instrumented=instrumented))
+    for instrumented in (False, True)
+}
+_extras: dict[tuple[str | None, str | None, str | None], bytes] = {}
+
+# server_span's signal bits (SIGM_* in _span_bytes.c)
+_SIGNAL_BITS = {
+    SIG_RECVQ: 0x01,
+    SIG_TCP_STATS: 0x02,
+    SIG_SCHED: 0x04,
+    SIG_FAULTS: 0x08,
+    SIG_WORKSET: 0x10,
+    SIG_CUDA: 0x20,
+}
+_last_plan: tuple[SpanOptions | None, tuple[int, int, int, int]] = (None, (0, 0, 0, 0))
+
+
+def _plan(opts: SpanOptions) -> tuple[int, int, int, int]:
+    """server_span's view of the options; the agent has one SpanOptions, so the last is kept
+    (hashing the frozen dataclass per record would cost more than this)."""
+    global _last_plan
+    if _last_plan[0] is not opts:
+        bits = sum(bit for sig, bit in _SIGNAL_BITS.items() if sig in opts.signals)
+        plan = (
+            bits,
+            int(opts.tlb_mode == "flush_fallback"),
+            max(0, opts.recvq_child_threshold_ns),
+            max(0, opts.runq_child_threshold_ns),
+        )
+        _last_plan = (opts, plan)
+    return _last_plan[1]
+
+
+def _extra_fields(e: EnrichedRecord) -> bytes:
+    """tracejoin.service_name.source, .instrumented.source and .traceparent.rejected: per process
+    (and rejection reason), so cached together."""
+    key = (e.service_name_source, e.instrumented, e.rejected)
+    got = _extras.get(key)
+    if got is None:
+        parts = []
+        if e.service_name_source:
+            parts.append(_SERVICE_SOURCE(e.service_name_source))
+        if e.instrumented:
+            parts.append(_INSTRUMENTED(e.instrumented))
+        if e.rejected is not None:
+            parts.append(_REJECTED(e.rejected))
+        got = b"".join(parts)
+        if len(_extras) >= _CACHE_MAX:
+            _extras.clear()
+        _extras[key] = got
+    return got
+
+
+def encode_spans(
+    e: EnrichedRecord, opts: SpanOptions, new_id: Callable[[int], int]
+) -> list[Span | EncodedSpan]:
+    """What build_spans(e, opts, new_id) makes, with the server span as bytes (same ids drawn
+    from new_id in the same order, same attributes in the same order)."""
+    rec = e.rec
+    span_id = new_id(64)
+    got = None
+    if _server_span is not None:
+        prefixes, make_prefix = _PREFIXES[bool(e.instrumented)]
+        got = _server_span(
+            rec,
+            prefixes,
+            make_prefix,
+            e.trace_id,
+            span_id,
+            e.parent_id,
+            e.trace_flags,
+            e.clock_offset_ns,
+            e.endpoints,
+            _SERVER_ADDR,
+            _CLIENT_ADDR,
+            _extra_fields(e),
+            _attributes(e.gpu) if e.gpu else b"",
+            _plan(opts),
+        )
+    if got is None:  # no compiler, or a record server_span leaves to Python
+        body, children = _encode_py(e, opts, span_id), needs_children(rec, opts)
+    else:
+        body, children = got
     out: list[Span | EncodedSpan] = [EncodedSpan(e.resource, body)]
-    if needs_children(rec, opts):
+    if children:
         # the children's parent: only its ids, resource and flags are read
         parent = Span(
             trace_id=e.trace_id,

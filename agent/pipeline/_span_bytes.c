@@ -1,0 +1,586 @@
+/*
+ * span_bytes.py, compiled: an OTLP Span message's bytes in one call. Two functions:
+ *
+ * join(parts): the parts of one Span message -> its bytes. span_bytes.encode_spans decides which
+ *   fields a span has (in Python, for the rarer records: HTTP/2 streams, CUDA sums) and hands
+ *   this a list of parts:
+ *   - bytes (exactly bytes): copied as they are (pre-encoded fields, cached string attributes);
+ *   - an IntKey (a bytes subclass holding the KeyValue.key field and the KeyValue.value tag)
+ *     followed by an int: the Span.attributes field of that int attribute.
+ *   span_bytes._join_py is the same function in Python. An int outside [0, INT64_MAX] raises
+ *   OverflowError: span_bytes then joins that span in Python, which writes it as otlp_wire does.
+ *
+ * server_span(...): an HTTP/1.x record -> its server span's bytes, reading the record's fields
+ *   straight from the kernel's struct (bpf/http_record.h, the same header the probes use) with
+ *   no Python object per field. The strings (span name, method, path, addresses, the process's
+ *   sources, GPU samples) stay Python's, encoded and cached by span_bytes and passed in as
+ *   bytes; this writes the ids, times, every int and flag attribute and the status around them,
+ *   in build_spans' order. span_bytes._encode_py is the reference: tests/test_span_bytes.py
+ *   requires both, and build_spans, to write the same bytes over a varied set of records.
+ *   Returns None where that path must be taken instead (a value beyond int64, CUDA sums).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <linux/types.h>
+
+#include "http_record.h"
+
+#define T_SPAN_ATTR 0x4a /* Span.attributes (9), length-delimited */
+#define T_ANY_INT 0x18   /* AnyValue.int_value (3), varint */
+
+static Py_ssize_t varint_len(uint64_t v)
+{
+    Py_ssize_t n = 1;
+    while (v >= 0x80) {
+        v >>= 7;
+        n++;
+    }
+    return n;
+}
+
+static char *put_varint(char *p, uint64_t v)
+{
+    while (v >= 0x80) {
+        *p++ = (char)((v & 0x7f) | 0x80);
+        v >>= 7;
+    }
+    *p++ = (char)v;
+    return p;
+}
+
+/* The int after an IntKey at parts[i]; -1 with an exception set when it is missing, not an int
+ * or out of range. */
+static int int_value(PyObject *parts, Py_ssize_t i, uint64_t *out)
+{
+    if (i + 1 >= PyList_GET_SIZE(parts)) {
+        PyErr_SetString(PyExc_ValueError, "IntKey without a value");
+        return -1;
+    }
+    PyObject *v = PyList_GET_ITEM(parts, i + 1);
+    if (!PyLong_Check(v)) {
+        PyErr_Format(PyExc_TypeError, "int attribute value is %.80s", Py_TYPE(v)->tp_name);
+        return -1;
+    }
+    int overflow = 0;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow || x < 0) {
+        PyErr_SetString(PyExc_OverflowError, "int attribute outside [0, INT64_MAX]");
+        return -1;
+    }
+    if (x == -1 && PyErr_Occurred())
+        return -1;
+    *out = (uint64_t)x;
+    return 0;
+}
+
+/* KeyValue: key field + value tag (the IntKey's bytes), AnyValue length, int tag, varint. */
+static Py_ssize_t int_attr_len(Py_ssize_t key_len, uint64_t v)
+{
+    Py_ssize_t kv = key_len + 2 + varint_len(v);
+    return 1 + 1 + kv; /* Span.attributes tag, KeyValue length (< 0x80: IntKey checks) */
+}
+
+static PyObject *join(PyObject *self, PyObject *parts)
+{
+    (void)self;
+    if (!PyList_CheckExact(parts)) {
+        PyErr_SetString(PyExc_TypeError, "join takes a list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(parts), total = 0;
+    uint64_t v;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(parts, i);
+        if (PyBytes_CheckExact(item)) {
+            total += PyBytes_GET_SIZE(item);
+        } else if (PyBytes_Check(item)) {
+            if (int_value(parts, i, &v) < 0)
+                return NULL;
+            total += int_attr_len(PyBytes_GET_SIZE(item), v);
+            i++;
+        } else {
+            PyErr_Format(PyExc_TypeError, "span part is %.80s", Py_TYPE(item)->tp_name);
+            return NULL;
+        }
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, total);
+    if (out == NULL)
+        return NULL;
+    char *p = PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(parts, i);
+        Py_ssize_t len = PyBytes_GET_SIZE(item);
+        if (PyBytes_CheckExact(item)) {
+            memcpy(p, PyBytes_AS_STRING(item), (size_t)len);
+            p += len;
+            continue;
+        }
+        /* checked in the first pass; the list is ours, nothing ran in between */
+        (void)int_value(parts, i, &v);
+        i++;
+        Py_ssize_t vlen = varint_len(v);
+        *p++ = (char)T_SPAN_ATTR;
+        *p++ = (char)(len + 2 + vlen);
+        memcpy(p, PyBytes_AS_STRING(item), (size_t)len);
+        p += len;
+        *p++ = (char)(1 + vlen);
+        *p++ = (char)T_ANY_INT;
+        p = put_varint(p, v);
+    }
+    return out;
+}
+
+/* ---- server_span ---------------------------------------------------------------------- */
+
+/* span_bytes' signal bits (_SIGNAL_BITS): which probes are loaded. */
+#define SIGM_RECVQ 0x01
+#define SIGM_TCP_STATS 0x02
+#define SIGM_SCHED 0x04
+#define SIGM_FAULTS 0x08
+#define SIGM_WORKSET 0x10
+#define SIGM_CUDA 0x20
+
+#define STATUS_ERROR 2
+#define NO_RESPONSE_MSG "connection closed before a response"
+#define PREFIX_CACHE_MAX 4096 /* request prefixes kept (cleared when full, as span_bytes' caches) */
+/* What this writes besides the bytes passed in: the head (62), the status (< 64) and at most
+ * ~45 int or flag attributes of at most 1 + 1 + 3 + 52 (key) + 2 + 10 bytes each. */
+#define OWN_BYTES_MAX 4096
+
+static char *put_u64_be(char *p, uint64_t v)
+{
+    for (int i = 7; i >= 0; i--)
+        *p++ = (char)(v >> (8 * i));
+    return p;
+}
+
+static char *put_u64_le(char *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        *p++ = (char)(v >> (8 * i));
+    return p;
+}
+
+static char *put_bytes(char *p, PyObject *b)
+{
+    Py_ssize_t n = PyBytes_GET_SIZE(b);
+    memcpy(p, PyBytes_AS_STRING(b), (size_t)n);
+    return p + n;
+}
+
+/* Span.attributes field of an int attribute (key shorter than 0x80 - 15: one-byte lengths).
+ * A value beyond int64 sets *beyond: the caller takes the Python path, which writes it as
+ * otlp_wire does. */
+static char *put_int_attr(char *p, const char *key, size_t klen, uint64_t v, int *beyond)
+{
+    if (v > (uint64_t)INT64_MAX) {
+        *beyond = 1;
+        return p;
+    }
+    size_t vlen = (size_t)varint_len(v);
+    *p++ = (char)T_SPAN_ATTR;
+    *p++ = (char)(klen + 5 + vlen); /* KeyValue: 0a klen key, 12 anylen, 18 varint */
+    *p++ = 0x0a;
+    *p++ = (char)klen;
+    memcpy(p, key, klen);
+    p += klen;
+    *p++ = 0x12;
+    *p++ = (char)(1 + vlen);
+    *p++ = (char)T_ANY_INT;
+    return put_varint(p, v);
+}
+
+/* Span.attributes field of a bool attribute that is true. */
+static char *put_true_attr(char *p, const char *key, size_t klen)
+{
+    *p++ = (char)T_SPAN_ATTR;
+    *p++ = (char)(klen + 6);
+    *p++ = 0x0a;
+    *p++ = (char)klen;
+    memcpy(p, key, klen);
+    p += klen;
+    *p++ = 0x12;
+    *p++ = 0x02;
+    *p++ = 0x10; /* AnyValue.bool_value */
+    *p++ = 0x01;
+    return p;
+}
+
+#define INT_ATTR(name, v) (p = put_int_attr(p, name, sizeof(name) - 1, (uint64_t)(v), &beyond))
+#define TRUE_ATTR(name) (p = put_true_attr(p, name, sizeof(name) - 1))
+#define SHARED "tracejoin.work.shared."
+
+/* An int argument as uint64 (mask: ids); -1 with an exception set when it is not an int. */
+static int arg_u64(PyObject *o, uint64_t *out)
+{
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "expected an int, got %.80s", Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    *out = (uint64_t)PyLong_AsUnsignedLongLongMask(o);
+    return (*out == (uint64_t)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int arg_bytes(PyObject *o, const char *what)
+{
+    if (PyBytes_CheckExact(o))
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s must be bytes, not %.80s", what, Py_TYPE(o)->tp_name);
+    return -1;
+}
+
+/* The request's (pre, method_original) fields from `prefixes`, keyed by the method and path
+ * bytes; on a miss make_prefix(method, path) makes them (span_bytes._request_prefix). New refs. */
+static int request_prefix(const struct http_record *r, PyObject *prefixes, PyObject *make,
+                          PyObject **pre, PyObject **mo)
+{
+    size_t mlen = r->method_len < HTTP_METHOD_MAX ? r->method_len : HTTP_METHOD_MAX;
+    size_t plen = r->path_len < HTTP_PATH_MAX ? r->path_len : HTTP_PATH_MAX;
+    char kb[1 + HTTP_METHOD_MAX + HTTP_PATH_MAX];
+    kb[0] = (char)mlen; /* the method's length first: no two (method, path) share a key */
+    memcpy(kb + 1, r->method, mlen);
+    memcpy(kb + 1 + mlen, r->path, plen);
+    PyObject *key = PyBytes_FromStringAndSize(kb, (Py_ssize_t)(1 + mlen + plen));
+    if (key == NULL)
+        return -1;
+    PyObject *got = PyDict_GetItemWithError(prefixes, key); /* borrowed */
+    if (got == NULL) {
+        if (PyErr_Occurred())
+            goto fail;
+        got = PyObject_CallFunction(make, "y#y#", r->method, (Py_ssize_t)mlen, r->path,
+                                    (Py_ssize_t)plen);
+        if (got == NULL)
+            goto fail;
+        if (PyDict_GET_SIZE(prefixes) >= PREFIX_CACHE_MAX)
+            PyDict_Clear(prefixes);
+        int bad = PyDict_SetItem(prefixes, key, got);
+        Py_DECREF(got); /* the dict holds it */
+        if (bad < 0)
+            goto fail;
+    }
+    Py_DECREF(key);
+    if (!PyTuple_CheckExact(got) || PyTuple_GET_SIZE(got) != 2
+        || arg_bytes(PyTuple_GET_ITEM(got, 0), "the request prefix") < 0
+        || arg_bytes(PyTuple_GET_ITEM(got, 1), "the method_original field") < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "make_prefix must return (bytes, bytes)");
+        return -1;
+    }
+    *pre = Py_NewRef(PyTuple_GET_ITEM(got, 0));
+    *mo = Py_NewRef(PyTuple_GET_ITEM(got, 1));
+    return 0;
+fail:
+    Py_DECREF(key);
+    return -1;
+}
+
+/* One end of the connection: writer(address) (a Span.attributes field, bytes) and the port.
+ * 1 when the port cannot be an int attribute here (the Python path writes it). */
+static int endpoint(PyObject *ep, const char *addr_name, const char *port_name, PyObject *writer,
+                    PyObject **field, uint64_t *port)
+{
+    PyObject *addr = PyObject_GetAttrString(ep, addr_name);
+    if (addr == NULL)
+        return -1;
+    *field = PyObject_CallOneArg(writer, addr);
+    Py_DECREF(addr);
+    if (*field == NULL)
+        return -1;
+    if (arg_bytes(*field, "an address field") < 0)
+        return -1;
+    PyObject *po = PyObject_GetAttrString(ep, port_name);
+    if (po == NULL)
+        return -1;
+    int overflow = 0;
+    long long v = PyLong_Check(po) ? PyLong_AsLongLongAndOverflow(po, &overflow) : -1;
+    Py_DECREF(po);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow || v < 0)
+        return 1;
+    *port = (uint64_t)v;
+    return 0;
+}
+
+static int needs_children(const struct http_record *r, unsigned signals, int queued,
+                          uint64_t recvq_threshold, uint64_t runq_threshold)
+{
+    if (queued && (signals & SIGM_RECVQ) && r->read_ns - r->arrival_ns >= recvq_threshold)
+        return 1;
+    if (signals & SIGM_SCHED)
+        for (int i = 0; i < RUNQ_SLOTS; i++)
+            if (r->runq[i].dur_ns >= runq_threshold)
+                return 1;
+    int tracked = (signals & SIGM_WORKSET) && (r->ws_flags & WSF_TRACKED);
+    return tracked && (r->ws_nslots > 0 || (r->ws_flags & WSF_CUDA));
+}
+
+static PyObject *k64; /* the int 64, for the trace id's high half */
+
+/* server_span(rec, prefixes, make_prefix, trace_id, span_id, parent_id, trace_flags,
+ *             clock_offset_ns, endpoints, server_addr, client_addr, extra, gpu, plan)
+ *   rec: the decoded HttpRecord (any buffer of the struct's size);
+ *   prefixes, make_prefix: see request_prefix (one dict per span kind: the name differs);
+ *   endpoints: None or an object with local_addr, local_port, peer_addr, peer_port;
+ *   server_addr, client_addr: str -> that attribute's field (bytes);
+ *   extra: the fields from tracejoin.service_name.source to .traceparent.rejected;
+ *   gpu: the tracejoin.gpu.* fields; plan: (signal bits, TLB flush fallback, recvq child
+ *   threshold ns, runq child threshold ns).
+ * -> (body, whether child spans may follow), or None: take the Python path. */
+static PyObject *server_span(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 14) {
+        PyErr_Format(PyExc_TypeError, "server_span takes 14 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *prefixes = args[1], *make = args[2], *ep = args[8], *extra = args[11],
+             *gpu = args[12], *plan = args[13];
+    if (!PyDict_CheckExact(prefixes)) {
+        PyErr_SetString(PyExc_TypeError, "prefixes must be a dict");
+        return NULL;
+    }
+    if (!PyTuple_CheckExact(plan) || PyTuple_GET_SIZE(plan) != 4) {
+        PyErr_SetString(PyExc_TypeError, "plan must be a 4-tuple");
+        return NULL;
+    }
+    if (arg_bytes(extra, "extra") < 0 || arg_bytes(gpu, "gpu") < 0)
+        return NULL;
+    uint64_t trace_lo, trace_hi, span_id, parent_id, trace_flags, signals, tlb_fallback,
+        recvq_threshold, runq_threshold;
+    if (arg_u64(args[3], &trace_lo) < 0 || arg_u64(args[4], &span_id) < 0
+        || arg_u64(args[5], &parent_id) < 0 || arg_u64(args[6], &trace_flags) < 0
+        || arg_u64(PyTuple_GET_ITEM(plan, 0), &signals) < 0
+        || arg_u64(PyTuple_GET_ITEM(plan, 1), &tlb_fallback) < 0
+        || arg_u64(PyTuple_GET_ITEM(plan, 2), &recvq_threshold) < 0
+        || arg_u64(PyTuple_GET_ITEM(plan, 3), &runq_threshold) < 0)
+        return NULL;
+    PyObject *hi = PyNumber_Rshift(args[3], k64);
+    if (hi == NULL)
+        return NULL;
+    int err = arg_u64(hi, &trace_hi);
+    Py_DECREF(hi);
+    if (err < 0)
+        return NULL;
+    long long offset = PyLong_AsLongLong(args[7]);
+    if (offset == -1 && PyErr_Occurred())
+        return NULL;
+
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *result = NULL, *pre = NULL, *mo = NULL, *saddr = NULL, *caddr = NULL;
+    PyObject *body = NULL;
+    if (view.len < (Py_ssize_t)sizeof(struct http_record)) {
+        PyErr_SetString(PyExc_ValueError, "rec is shorter than struct http_record");
+        goto out;
+    }
+    const struct http_record *r = view.buf;
+    unsigned on = (unsigned)signals;
+    int tracked = (on & SIGM_WORKSET) && (r->ws_flags & WSF_TRACKED);
+    if ((r->h2_flags & H2F_STREAM) || (tracked && (on & SIGM_CUDA) && (r->ws_flags & WSF_CUDA))) {
+        result = Py_NewRef(Py_None); /* HTTP/2 and CUDA: the Python path */
+        goto out;
+    }
+    if (request_prefix(r, prefixes, make, &pre, &mo) < 0)
+        goto out;
+    uint64_t lport = 0, rport = 0;
+    if (ep != Py_None) {
+        int got = endpoint(ep, "local_addr", "local_port", args[9], &saddr, &lport);
+        if (got == 0)
+            got = endpoint(ep, "peer_addr", "peer_port", args[10], &caddr, &rport);
+        if (got < 0)
+            goto out;
+        if (got > 0) {
+            result = Py_NewRef(Py_None);
+            goto out;
+        }
+    }
+    Py_ssize_t given = PyBytes_GET_SIZE(pre) + PyBytes_GET_SIZE(mo) + PyBytes_GET_SIZE(extra)
+                       + PyBytes_GET_SIZE(gpu) + (saddr ? PyBytes_GET_SIZE(saddr) : 0)
+                       + (caddr ? PyBytes_GET_SIZE(caddr) : 0);
+    body = PyBytes_FromStringAndSize(NULL, given + OWN_BYTES_MAX); /* cut to size below */
+    if (body == NULL)
+        goto out;
+    char *p = PyBytes_AS_STRING(body);
+    int beyond = 0;
+
+    /* ids, times, flags (otlp_wire.span_head) */
+    uint64_t arrival = r->arrival_ns, read = r->read_ns;
+    int queued = 0 < arrival && arrival <= read;
+    uint64_t start = (queued ? arrival : read) + (uint64_t)offset;
+    uint64_t end = (r->end_ns > read ? r->end_ns : read) + (uint64_t)offset;
+    *p++ = 0x0a;
+    *p++ = 0x10;
+    p = put_u64_be(p, trace_hi);
+    p = put_u64_be(p, trace_lo);
+    *p++ = 0x12;
+    *p++ = 0x08;
+    p = put_u64_be(p, span_id);
+    if (parent_id) {
+        *p++ = 0x22;
+        *p++ = 0x08;
+        p = put_u64_be(p, parent_id);
+    }
+    *p++ = 0x39;
+    p = put_u64_le(p, start);
+    *p++ = 0x41;
+    p = put_u64_le(p, end);
+    *p++ = (char)0x85;
+    *p++ = 0x01;
+    *p++ = (char)(trace_flags & 0xff);
+    *p++ = 0;
+    *p++ = 0;
+    *p++ = 0;
+
+    /* build_spans' attributes, in its order */
+    p = put_bytes(p, pre); /* name, kind, method, url.path, network.* */
+    INT_ATTR("thread.id", r->tid);
+    INT_ATTR("http.request.size", r->req_bytes);
+    INT_ATTR("http.response.size", r->resp_bytes);
+    INT_ATTR("tracejoin.connection.id", r->conn_id);
+    INT_ATTR("tracejoin.connection.request_seq", r->seq);
+    p = put_bytes(p, mo);
+    if (r->status)
+        INT_ATTR("http.response.status_code", r->status);
+    if (saddr != NULL) {
+        p = put_bytes(p, saddr);
+        INT_ATTR("server.port", lport);
+        p = put_bytes(p, caddr);
+        INT_ATTR("client.port", rport);
+    }
+    p = put_bytes(p, extra);
+    if (r->flags & REQF_PATH_TRUNC)
+        TRUE_ATTR("tracejoin.http.path_truncated");
+    if (queued && (on & SIGM_RECVQ))
+        INT_ATTR("tracejoin.tcp.receive_queue_wait_ns", read - arrival);
+    if ((r->flags & REQF_FIRST_ON_CONN) && 0 < r->est_ns && r->est_ns <= read)
+        INT_ATTR("tracejoin.tcp.handshake_to_first_read_ns", read - r->est_ns);
+    if (r->resp_start_ns)
+        INT_ATTR("tracejoin.http.time_to_first_response_byte_ns",
+                 r->resp_start_ns > read ? r->resp_start_ns - read : 0);
+    if (on & SIGM_TCP_STATS) {
+        INT_ATTR("tracejoin.tcp.retransmits", r->retrans);
+        if (r->srtt_us)
+            INT_ATTR("tracejoin.tcp.srtt_us", r->srtt_us);
+        if (r->unacked_max)
+            INT_ATTR("tracejoin.tcp.unacked_max_bytes", r->unacked_max);
+    }
+    int measured = (on & SIGM_WORKSET) ? tracked : !!(r->ws_flags & WSF_STATS);
+    if (measured && (on & SIGM_SCHED)) {
+        INT_ATTR("tracejoin.sched.runq_wait_ns", r->runq_ns);
+        INT_ATTR("tracejoin.sched.runq_wait_max_ns", r->runq_max_ns);
+        INT_ATTR("tracejoin.sched.offcpu_ns", r->offcpu_ns);
+        INT_ATTR("tracejoin.sched.context_switches", r->nr_switches);
+    }
+    if (measured && (on & SIGM_FAULTS)) {
+        INT_ATTR("tracejoin.mm.minor_faults", r->minflt);
+        INT_ATTR("tracejoin.mm.major_faults", r->majflt);
+    }
+    /* spans._tlb_names: what the two TLB values are, when measured */
+    int tlb_hw = !!(r->flags & REQF_TLB_HW), tlb = tlb_hw || tlb_fallback;
+    if (measured && tlb_hw) {
+        INT_ATTR("tracejoin.tlb.dtlb_load_misses", r->tlb_a);
+        INT_ATTR("tracejoin.tlb.itlb_load_misses", r->tlb_b);
+    } else if (measured && tlb) {
+        INT_ATTR("tracejoin.tlb.flushes", r->tlb_a);
+        INT_ATTR("tracejoin.tlb.full_flushes", r->tlb_b);
+    }
+    if (tracked) { /* spans._work_attributes */
+        INT_ATTR("tracejoin.work.threads", r->ws_threads);
+        INT_ATTR("tracejoin.work.processes", r->ws_processes);
+        INT_ATTR("tracejoin.work.on_cpu_ns", r->oncpu_ns);
+        INT_ATTR("tracejoin.work.reader_on_cpu_ns",
+                 r->oncpu_ns > r->helper_oncpu_ns ? r->oncpu_ns - r->helper_oncpu_ns : 0);
+        INT_ATTR("tracejoin.work.shared_with_max", r->ws_shared_with_max);
+        if (!(r->ws_flags & WSF_NO_GAP))
+            INT_ATTR("tracejoin.work.unexplained_wait_ns", r->unexplained_wait_ns);
+        if (r->ws_flags & WSF_CAP)
+            INT_ATTR("tracejoin.work.threads_refused", r->ws_refused);
+        if (r->ws_unslotted)
+            INT_ATTR("tracejoin.work.helpers_without_span", r->ws_unslotted);
+        int shared = r->ws_shared_with_max != 0;
+        for (int i = 0; i < WSIG_COUNT; i++)
+            shared |= r->shared[i] != 0;
+        if (shared) { /* spans._shared_work_attributes */
+            const __u64 *sh = r->shared;
+            INT_ATTR(SHARED "on_cpu_ns", sh[WSIG_ONCPU]);
+            INT_ATTR(SHARED "on_cpu_apportioned_ns", r->shared_apportioned_ns);
+            if (on & SIGM_SCHED) {
+                INT_ATTR(SHARED "sched.runq_wait_ns", sh[WSIG_RUNQ]);
+                INT_ATTR(SHARED "sched.offcpu_ns", sh[WSIG_OFFCPU]);
+                INT_ATTR(SHARED "sched.context_switches", sh[WSIG_SWITCHES]);
+            }
+            if (on & SIGM_FAULTS) {
+                INT_ATTR(SHARED "mm.minor_faults", sh[WSIG_MINFLT]);
+                INT_ATTR(SHARED "mm.major_faults", sh[WSIG_MAJFLT]);
+            }
+            if (tlb_hw) {
+                INT_ATTR(SHARED "tlb.dtlb_load_misses", sh[WSIG_TLB_A]);
+                INT_ATTR(SHARED "tlb.itlb_load_misses", sh[WSIG_TLB_B]);
+            } else if (tlb) {
+                INT_ATTR(SHARED "tlb.flushes", sh[WSIG_TLB_A]);
+                INT_ATTR(SHARED "tlb.full_flushes", sh[WSIG_TLB_B]);
+            }
+        }
+    }
+    if (r->flags & REQF_RESP_UNTERM)
+        TRUE_ATTR("tracejoin.http.response_unframed");
+    p = put_bytes(p, gpu);
+    /* spans.server_status, for HTTP/1.x: no response, or a 5xx, is an error */
+    if (r->flags & REQF_NO_RESPONSE) {
+        size_t n = sizeof(NO_RESPONSE_MSG) - 1;
+        *p++ = 0x7a; /* Span.status: message (2), code (3) */
+        *p++ = (char)(2 + n + 2);
+        *p++ = 0x12;
+        *p++ = (char)n;
+        memcpy(p, NO_RESPONSE_MSG, n);
+        p += n;
+        *p++ = 0x18;
+        *p++ = STATUS_ERROR;
+    } else if (r->status >= 500) {
+        *p++ = 0x7a;
+        *p++ = 0x02;
+        *p++ = 0x18;
+        *p++ = STATUS_ERROR;
+    }
+    if (beyond) {
+        result = Py_NewRef(Py_None);
+        goto out;
+    }
+    if (_PyBytes_Resize(&body, p - PyBytes_AS_STRING(body)) < 0)
+        goto out; /* body is NULL now */
+    int children = needs_children(r, on, queued, recvq_threshold, runq_threshold);
+    result = PyTuple_Pack(2, body, children ? Py_True : Py_False);
+out:
+    Py_XDECREF(body);
+    Py_XDECREF(pre);
+    Py_XDECREF(mo);
+    Py_XDECREF(saddr);
+    Py_XDECREF(caddr);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"join", join, METH_O, "The parts of one OTLP Span message -> its bytes (see span_bytes)."},
+    {"server_span", (PyCFunction)(void (*)(void))server_span, METH_FASTCALL,
+     "An HTTP/1.x record's server span -> (bytes, children may follow), or None (see span_bytes)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_span_bytes", "span_bytes.py, compiled.", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__span_bytes(void)
+{
+    k64 = PyLong_FromLong(64);
+    if (k64 == NULL)
+        return NULL;
+    return PyModule_Create(&module);
+}
