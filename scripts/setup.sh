@@ -92,6 +92,7 @@ venv() {
     for stamp in "$VENV/.tracejoin-installed-dev" "$VENV/.tracejoin-installed-$kind"; do
         if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] \
             && [ "$stamp" -nt agent/pipeline/_span_bytes.c ] \
+            && [ "$stamp" -nt agent/enrich/_trace_context.c ] \
             && [ "$stamp" -nt bpf/http_record.h ] \
             && [ "$stamp" -nt agent/kernel/_ring_read.c ]; then return 0; fi
     done

@@ -799,8 +799,11 @@ def test_dockerfile() -> None:
     assert "python3-dev" not in packages
     assert "COPY --from=build /opt/tracejoin /opt/tracejoin" in image
     # the build fails without either compiled module; the image asserts both are used
-    assert "import tracejoin.pipeline._span_bytes, tracejoin.kernel._ring_read" in build
-    assert "span_bytes.COMPILED and ring.COMPILED" in image
+    assert (
+        "import tracejoin.pipeline._span_bytes, tracejoin.kernel._ring_read, "
+        "tracejoin.enrich._trace_context" in build
+    )
+    assert "span_bytes.COMPILED and ring.COMPILED and correlate.COMPILED" in image
     assert "DEBIAN_FRONTEND=noninteractive" in code
     assert "/usr/lib/python3/dist-packages/bcc" in build  # the venv sees Debian's binding
     # every Python distribution from the lock, hash-checked, wheels only; tracejoin itself

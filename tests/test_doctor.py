@@ -43,6 +43,7 @@ from tracejoin.host.doctor import (
     _privilege_gaps,
     check_ring_reader,
     check_span_encoder,
+    check_traceparent_reader,
     decode_caps,
     headers_version,
     hw_cache_config,
@@ -407,10 +408,11 @@ def test_json_stays_json_when_bcc_cannot_find_headers(privileged: None) -> None:
     [
         (check_span_encoder, "tracejoin.pipeline.span_bytes", "pure-Python"),
         (check_ring_reader, "tracejoin.kernel.ring", "callback per record"),
+        (check_traceparent_reader, "tracejoin.enrich.correlate", "Python for every"),
     ],
 )
 def test_the_build_checks_say_which_path_runs(monkeypatch, check, module, says):
-    """The test install builds both compiled paths (scripts/setup.sh installs gcc and
+    """The test install builds every compiled path (scripts/setup.sh installs gcc and
     python3-dev); an install without them is told so, with the fix, and nothing else changes."""
     built = check()
     assert built.status is Status.AVAILABLE, built.detail

@@ -349,3 +349,28 @@ def test_a_reader_behind_lowers_the_kernels_ratio_at_once():
         assert metrics.get("sampling_ratio") == 0.5
     finally:
         agent.shutdown(2.0)
+
+
+def test_a_connections_carried_tuple_is_kept_per_connection_and_never_crosses_to_another():
+    """REQF_TUPLE records: the endpoints are made once per conn_id and reused; another
+    connection, or a record the kernel could not number (conn_id 0), gets its own."""
+    from tracejoin.enrich.correlate import ConnectionTable
+
+    table = ConnectionTable(max_entries=2)
+
+    def rec(conn_id: int, rport: int):
+        r = record()
+        r.conn_id, r.rport = conn_id, rport
+        return r
+
+    first = table.endpoints(rec(7, 40000))
+    assert first is not None and (first.peer_addr, first.peer_port) == ("10.0.0.9", 40000)
+    assert table.endpoints(rec(7, 40000)) is first
+    other = table.endpoints(rec(8, 40001))
+    assert other is not None and other.peer_port == 40001
+    for port in (50000, 50001):  # unnumbered: never cached, never another's
+        got = table.endpoints(rec(0, port))
+        assert got is not None and got.peer_port == port
+    for i in range(10):  # bounded
+        table.endpoints(rec(100 + i, 1000 + i))
+    assert len(table._carried) <= 2

@@ -93,3 +93,91 @@ def test_never_raises_and_never_accepts_what_the_rules_reject(value):
     got = tp.parse(value)
     assert isinstance(got, tp.TraceParent) or got in tp.REASONS
     assert isinstance(got, tp.TraceParent) == _reference_ok(value)
+
+
+# ------------------------------------------------ the compiled common case (_trace_context.c)
+
+_VALID = f"00-{TID}-{PID}-01".encode()
+_MUTANT_BYTES = b"0123456789abcdefABCDEFg- \t\x00\xff"
+
+
+def _record_with(value: bytes, count: int = 1, h2_flags: int = 0):
+    import ctypes
+
+    from records import record
+    from tracejoin.core.record import HttpRecord
+
+    r = record()
+    raw = value[:56].ljust(56, b"\0")
+    ctypes.memmove(ctypes.addressof(r) + HttpRecord.tp.offset, raw, 56)
+    r.tp_len, r.tp_count, r.h2_flags = min(len(value), 0xFFFF), count, h2_flags
+    return r
+
+
+def _compiled_agrees(value: bytes) -> None:
+    """It accepts exactly the valid version-00 values, as parse reads them, and abstains on
+    everything else (parse decides those: a later version, every rejection)."""
+    from tracejoin.enrich import correlate
+
+    assert correlate._plain_traceparent is not None, "_trace_context.c was not built"
+    got = correlate._plain_traceparent(_record_with(value))
+    ref = tp.parse(value[:56], total_len=len(value))
+    if isinstance(ref, tp.TraceParent) and value[:2] == b"00":
+        assert got == (ref.trace_id, ref.parent_id, ref.flags)
+    else:
+        assert got is None, (value, ref)
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 56), st.sampled_from(list(_MUTANT_BYTES))), max_size=3),
+    st.integers(40, 60),
+)
+def test_the_compiled_common_case_accepts_only_what_parse_accepts(edits, length):
+    value = bytearray(_VALID.ljust(60, b"-")[:length])
+    for at, byte in edits:
+        if at < len(value):
+            value[at] = byte
+    _compiled_agrees(bytes(value))
+
+
+@given(st.binary(max_size=60))
+def test_the_compiled_common_case_abstains_on_arbitrary_bytes(value):
+    _compiled_agrees(value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        _VALID,
+        f"00-{TID}-{PID}-00".encode(),
+        f"00-{TID}-{PID}-ff".encode(),
+        f"00-{'0' * 31}1-{PID}-01".encode(),  # trace id 1: only its low half set
+        f"00-1{'0' * 31}-{PID}-01".encode(),  # ... only its high half
+        f"01-{TID}-{PID}-01".encode(),  # a later version: parse's
+        f"00-{TID.upper()}-{PID}-01".encode(),
+        f"00-{'0' * 32}-{PID}-01".encode(),
+        f"00-{TID}-{'0' * 16}-01".encode(),
+        _VALID + b"-",
+        _VALID[:-1],
+        # each dash, and each byte around it, replaced by a hex digit
+        *(_VALID[:i] + b"0" + _VALID[i + 1 :] for i in (1, 2, 3, 34, 35, 36, 51, 52, 53)),
+        *(_VALID[:i] + b"g" + _VALID[i + 1 :] for i in (0, 3, 18, 19, 34, 36, 51, 53, 54)),
+    ],
+)
+def test_the_compiled_common_case_on_the_rules_edges(value):
+    _compiled_agrees(value)
+
+
+def test_the_compiled_common_case_leaves_duplicates_and_huffman_to_python():
+    from tracejoin.core.record import H2F_TP_HUFF
+    from tracejoin.enrich import correlate
+
+    plain = correlate._plain_traceparent
+    assert plain is not None
+    assert plain(_record_with(_VALID)) is not None
+    assert plain(_record_with(_VALID, count=2)) is None  # parse: duplicate
+    assert plain(_record_with(_VALID, count=0)) is None
+    assert plain(_record_with(_VALID, h2_flags=H2F_TP_HUFF)) is None  # not decoded yet
+    assert correlate.trace_context(_record_with(_VALID, count=2)) == tp.DUPLICATE
+    with pytest.raises(ValueError):
+        plain(b"\0" * 10)

@@ -19,6 +19,12 @@ from tracejoin.core.metrics import Metrics
 from tracejoin.enrich import traceparent
 from tracejoin.kernel.decode import REQF_TP_WINDOW, REQF_TUPLE, HttpRecord
 
+try:  # compiled where a C compiler was, at install (_trace_context.c); else parse decides all
+    from tracejoin.enrich._trace_context import plain_traceparent as _plain_traceparent
+except ImportError:  # pragma: no cover - the pure-Python path, under the same tests
+    _plain_traceparent = None
+COMPILED = _plain_traceparent is not None  # doctor, bench
+
 log = logging.getLogger(__name__)
 
 # What each /proc read of a served process needs beyond uid 0 (docs/operations.md, "Privileges").
@@ -87,6 +93,10 @@ class KernelClock:
 
 def trace_context(rec: HttpRecord) -> traceparent.TraceParent | str | None:
     """The request's caller context, a rejection reason, or None when it sent none."""
+    if _plain_traceparent is not None:  # the common case, compiled: it accepts or abstains
+        plain = _plain_traceparent(rec)
+        if plain is not None:
+            return traceparent.TraceParent(*plain)
     if rec.tp_count == 0:
         return traceparent.BEYOND_SCAN_WINDOW if rec.flags & REQF_TP_WINDOW else None
     if rec.tp_count > 1:
@@ -138,6 +148,9 @@ class ConnectionTable:
     ) -> None:
         self.reads = reads or ProcReads()
         self._cache: dict[int, Endpoints | None] = {}
+        # REQF_TUPLE records carry their tuple, the same for every request on a connection:
+        # kept per conn_id (unique while the probes are loaded) rather than re-made per record
+        self._carried: dict[int, Endpoints] = {}
         self._tables: dict[str, tuple[float, dict[str, Endpoints]]] = {}
         self._max = max_entries
         self._refresh_s = refresh_s
@@ -145,12 +158,20 @@ class ConnectionTable:
 
     def endpoints(self, rec: HttpRecord) -> Endpoints | None:
         if rec.flags & REQF_TUPLE:
-            return Endpoints(
-                _addr(rec.family, bytes(rec.laddr)),
-                rec.lport,
-                _addr(rec.family, bytes(rec.raddr)),
-                rec.rport,
-            )
+            conn_id = rec.conn_id
+            got = self._carried.get(conn_id)
+            if got is None:
+                got = Endpoints(
+                    _addr(rec.family, bytes(rec.laddr)),
+                    rec.lport,
+                    _addr(rec.family, bytes(rec.raddr)),
+                    rec.rport,
+                )
+                if len(self._carried) >= self._max:
+                    self._carried.clear()
+                if conn_id:  # 0: the kernel could not number it
+                    self._carried[conn_id] = got
+            return got
         with self._lock:
             if rec.conn_id in self._cache:
                 return self._cache[rec.conn_id]

@@ -315,7 +315,12 @@ def run_checks(options: DoctorOptions | None = None) -> Report:
     checks += check_perf_events(root, opts.perf_open or perf_event_open)
     checks += [check_uprobes(root, tracefs), check_kprobes(root, tracefs)]
     checks += check_bpf_features(opts.bpf_features or probe_features)
-    checks += [check_headers(root, release), check_span_encoder(), check_ring_reader()]
+    checks += [
+        check_headers(root, release),
+        check_ring_reader(),
+        check_traceparent_reader(),
+        check_span_encoder(),
+    ]
     checks.append(_from_probe("bpf trial load", "BPF", True, opts.bpf_trial or bpf_trial_load))
     checks.append(_from_probe("nvml", "GPU", False, opts.nvml_probe or nvml_status))
     checks.append(check_cuda(root))
@@ -380,6 +385,20 @@ def check_ring_reader() -> Check:
         "compiled consumer (_ring_read.c)",
         "BCC's reader, one Python callback per record: the install had no C compiler; the "
         "same records, more agent CPU per record (docs/performance.md)",
+    )
+
+
+def check_traceparent_reader() -> Check:
+    """How a record's traceparent is read: the compiled common case (one plain valid value read
+    from the record), or traceparent.parse for every record."""
+    from tracejoin.enrich import correlate
+
+    return _compiled_or_fallback(
+        "traceparent reader",
+        correlate.COMPILED,
+        "compiled common case (_trace_context.c); the W3C rules in Python for the rest",
+        "Python for every traceparent: the install had no C compiler; the same trace "
+        "contexts, more agent CPU per record (docs/performance.md)",
     )
 
 
