@@ -374,3 +374,29 @@ def test_a_connections_carried_tuple_is_kept_per_connection_and_never_crosses_to
     for i in range(10):  # bounded
         table.endpoints(rec(100 + i, 1000 + i))
     assert len(table._carried) <= 2
+
+
+def test_the_resolver_is_asked_once_per_pid_within_the_memo_window(monkeypatch):
+    """Records of one process in one batch share one answer of the resource resolver; another
+    pid gets its own, and once the window has passed the resolver is asked again."""
+    from tracejoin.enrich import enricher as enricher_module
+
+    asked: list[int] = []
+
+    def resolve(pid: int) -> Resource:
+        asked.append(pid)
+        return Resource((("service.name", f"svc-{pid}"),))
+
+    enricher = Enricher(Metrics(), resolve)
+    tp = f"00-{1:032x}-{2:016x}-01"
+    for pid in (1, 1, 2, 1, 2):
+        r = record(tp)
+        r.pid = pid
+        e = enricher.enrich(r)
+        assert e is not None and e.resource.get("service.name") == f"svc-{pid}"
+    assert asked == [1, 2]
+    monkeypatch.setattr(enricher_module, "SERVED_MEMO_S", 0.0)
+    enricher._served_memo.clear()
+    for _ in range(3):
+        enricher.enrich(record(tp))
+    assert asked == [1, 2, 1, 1, 1]

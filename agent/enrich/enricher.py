@@ -8,6 +8,7 @@ Nothing here builds spans; the span builder is a pure function of what this stag
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -57,6 +58,13 @@ class EnrichedRecord:
         return max(self.rec.end_ns, self.rec.read_ns)
 
 
+# How long one answer of the resource resolver is reused for a pid: the resolver itself caches
+# for seconds, but asking it costs a lock, its clock and its generations per record; records
+# come in batches of up to POLL_MS (100 ms), so this asks it about once per pid per batch.
+SERVED_MEMO_S = 0.1
+_SERVED_MEMO_MAX = 4096
+
+
 class Enricher:
     def __init__(
         self,
@@ -75,6 +83,7 @@ class Enricher:
         # /proc reads of other processes that a missing capability denies are counted
         self.conns = ConnectionTable(reads=ProcReads(metrics))
         self._rand = random.Random()
+        self._served_memo: dict[int, tuple[float, ServedProcess]] = {}
 
     def new_id(self, bits: int) -> int:
         while True:
@@ -109,8 +118,16 @@ class Enricher:
         )
 
     def _served(self, pid: int) -> ServedProcess:
+        now = time.monotonic()
+        memo = self._served_memo.get(pid)
+        if memo is not None and now < memo[0]:
+            return memo[1]
         got = self.resource_for_pid(pid)
-        return got if isinstance(got, ServedProcess) else ServedProcess(got, "")
+        served = got if isinstance(got, ServedProcess) else ServedProcess(got, "")
+        if len(self._served_memo) >= _SERVED_MEMO_MAX:
+            self._served_memo.clear()
+        self._served_memo[pid] = (now + SERVED_MEMO_S, served)
+        return served
 
     def _helper_processes(self, rec: HttpRecord) -> dict[int, str]:
         """Names of the processes the work set reached besides the reader's, from their
