@@ -54,6 +54,20 @@ def thread_cpu(tid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / m.CLK_TCK
 
 
+def threads_cpu() -> dict[str, float]:
+    """CPU seconds of every thread of this process, by its Python thread's name (threads
+    Python did not start: "native"); same names summed."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            name = names.get(int(task.name), "native")
+            out[name] = out.get(name, 0.0) + thread_cpu(int(task.name))
+        except (OSError, ValueError):
+            continue  # the thread ended meanwhile
+    return out
+
+
 class Watched:
     """Wraps a thread's target: remembers its native id; optionally profiles it."""
 
@@ -151,6 +165,7 @@ def run_once(
         assert agent.pipeline is not None
         kernel = agent.pipeline.kernel_counters
         t0 = {w.name: thread_cpu(w.tid) for w in (reader, exporter)}
+        all0 = threads_cpu()
         r0 = metrics.total("records_received")
         poll0 = poll_cpu[0]
         spans0 = metrics.total("spans_built")
@@ -169,6 +184,7 @@ def run_once(
         time.sleep(0.6)  # the file destination flushes every 0.5 s
         records = metrics.total("records_received") - r0
         t1 = {w.name: thread_cpu(w.tid) for w in (reader, exporter)}
+        all1 = threads_cpu()
         proc1 = sum(m.cpu_seconds(os.getpid()))
         poll1 = poll_cpu[0]
         spans = metrics.total("spans_built") - spans0
@@ -179,11 +195,17 @@ def run_once(
             f.unlink()
         tmp.rmdir()
     per = {k: (t1[k] - t0[k]) * 1e6 / max(1, records) for k in t0}
+    by_thread = {
+        k: (all1[k] - all0.get(k, 0.0)) * 1e6 / max(1, records)
+        for k in all1
+        if all1[k] > all0.get(k, 0.0)
+    }
     return {
         "records": int(records),
         "requests": want,
         "ringbuf_full": counters.get("ringbuf_full", 0),
         "us_per_record": per,
+        "us_per_record_by_thread": by_thread,
         "process_us_per_record": (proc1 - proc0) * 1e6 / max(1, records),
         "poll_us_per_record": (poll1 - poll0) * 1e6 / max(1, records),
         "spans_per_record": spans / max(1, records),
@@ -298,6 +320,13 @@ def main(argv: list[str] | None = None) -> int:
                 else "no records"
             )
             + f"; whole process per request {plain['process_us_per_request']:.1f}"
+        )
+        print(
+            "  by thread name, CPU µs per record: "
+            + ", ".join(
+                f"{k} {v:.1f}"
+                for k, v in sorted(plain["us_per_record_by_thread"].items(), key=lambda kv: -kv[1])
+            )
         )
         if args.no_profile:
             return 0
