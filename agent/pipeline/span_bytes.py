@@ -343,12 +343,7 @@ def _encode_py(e: EnrichedRecord, opts: SpanOptions, span_id: int) -> bytes:
             _CLIENT_PORT,
             ep.peer_port,
         )
-    if e.service_name_source:
-        p.append(_SERVICE_SOURCE(e.service_name_source))
-    if e.instrumented:
-        p.append(_INSTRUMENTED(e.instrumented))
-    if e.rejected is not None:
-        p.append(_REJECTED(e.rejected))
+    p.append(_extra_fields(e))
     if flags & REQF_PATH_TRUNC:
         p.append(_PATH_TRUNCATED)
     if queued and SIG_RECVQ in on:
