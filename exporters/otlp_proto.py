@@ -50,10 +50,15 @@ def encode_request_bytes(spans: Iterable[Span | EncodedSpan]) -> bytes:
         body = span.body if isinstance(span, EncodedSpan) else encode_span(span)
         n = len(body)
         group += (T_SS_SPAN, V1[n] if n < 0x80 else varint(n), body)
+    # One join for the whole request: each message's length is known from its parts, so the
+    # spans (hundreds of KiB) are copied once, not once per enclosing message.
     out: list[bytes] = []
     for res_field, span_parts in groups.items():
-        scope_spans = ld(T_RS_SCOPE_SPANS, _SCOPE_FIELD + b"".join(span_parts))
-        out.append(ld(T_REQ_RS, res_field + scope_spans))
+        scope_len = len(_SCOPE_FIELD) + sum(map(len, span_parts))
+        scope_head = T_RS_SCOPE_SPANS + varint(scope_len)
+        out += (T_REQ_RS, varint(len(res_field) + len(scope_head) + scope_len), res_field)
+        out += (scope_head, _SCOPE_FIELD)
+        out += span_parts
     return b"".join(out)
 
 
