@@ -29,6 +29,7 @@ from typing import Any
 from tracejoin.config import Settings
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import Resource
+from tracejoin.core.record import H2F_STREAM
 from tracejoin.enrich import traceparent
 from tracejoin.enrich.enricher import Enricher
 from tracejoin.exporters.otlp_json import encode_request_json
@@ -63,6 +64,16 @@ def sample_record() -> bytes:
     r.est_ns, r.arrival_ns, r.read_ns = now - 60_000, now - 50_000, now - 40_000
     r.resp_start_ns, r.end_ns = now - 10_000, now
     r.nr_switches, r.minflt = 2, 3
+    return bytes(r)
+
+
+def sample_h2_record() -> bytes:
+    """The same request as an HTTP/2 gRPC stream that ended with grpc-status 0."""
+    r = HttpRecord.from_buffer_copy(sample_record())
+    path = b"/tj.Echo/Say"
+    r.path, r.path_len = path, len(path)
+    r.method, r.method_len = b"POST", 4
+    r.h2_flags, r.grpc_status, r.seq = H2F_STREAM, 1, 7
     return bytes(r)
 
 
@@ -112,6 +123,8 @@ def run(n: int = 20_000) -> dict[str, Any]:
     per_batch = spans * BATCH
     encoded_batch = encode_spans(e, opts, enricher.new_id) * BATCH
     reps = max(3, n // 1000)
+    h2 = enricher.enrich(decoder.decode(sample_h2_record()))  # type: ignore[arg-type]
+    assert h2 is not None
     stages = {
         "decode (bytes -> HttpRecord)": _best_us(lambda: decoder.decode(raw), n),
         "traceparent.parse (inside enrich)": _best_us(
@@ -138,6 +151,12 @@ def run(n: int = 20_000) -> dict[str, Any]:
         ),
         "the same, on the pure-Python join (no compiler)": _with_encoder(
             "python", lambda: _best_us(lambda: encode_spans(e, opts, enricher.new_id), n)
+        ),
+        "HTTP/2 gRPC stream: encode_spans": _best_us(
+            lambda: encode_spans(h2, opts, enricher.new_id), n
+        ),
+        "HTTP/2 gRPC stream: Python encoder, compiled join": _with_encoder(
+            "join", lambda: _best_us(lambda: encode_spans(h2, opts, enricher.new_id), n)
         ),
         "OTLP request of encoded spans (OTLP destinations)": _best_us(
             lambda: encode_request_bytes(encoded_batch), reps, BATCH

@@ -138,6 +138,13 @@ def records() -> list[tuple[str, HttpRecord]]:
         r = record(TP, path=path, status=status)
         r.h2_flags, r.grpc_status, r.seq = R.H2F_STREAM | h2_flags, grpc_status, 7
         out.append((f"http2 {name}", r))
+    for code in (2, 4, 12, 14, 15, 16):  # each code a server reports as its own error, and one not
+        r = record(TP, path=b"/tj.Echo/Say")
+        r.h2_flags, r.grpc_status, r.seq = R.H2F_STREAM, code + 1, 9
+        out.append((f"http2 grpc code {code}", r))
+    r = record(TP, path=b"/tj.Echo/Say")
+    r.grpc_status = 15  # never set for HTTP/1.x by the kernel: ignored there
+    out.append(("http/1.x with a grpc_status", r))
     for shared in (False, True):
         r = record(TP)
         _workset(r, shared)
@@ -391,11 +398,9 @@ def _server_span_args(r: HttpRecord, opts: SpanOptions, **over) -> list:
 
 @pytest.mark.parametrize("recvq_child_ns", [0, 10**12])  # with 10**12 the others decide
 @pytest.mark.parametrize(("name", "rec"), records(), ids=[n for n, _ in records()])
-def test_server_span_writes_every_http1_record_but_those_it_leaves_to_python(
-    name, rec, recvq_child_ns
-):
+def test_server_span_writes_every_record_but_those_it_leaves_to_python(name, rec, recvq_child_ns):
     """The comparison above passes whoever wrote the span: here, the compiled server span must
-    write every HTTP/1.x record itself, and leave exactly HTTP/2 streams, CUDA sums and values
+    write every record itself, HTTP/2 streams included, and leave exactly CUDA sums and values
     beyond int64 to _encode_py; and say whether child spans may follow as needs_children does."""
     assert span_bytes._server_span_c is not None
     opts = SpanOptions(
@@ -404,7 +409,7 @@ def test_server_span_writes_every_http1_record_but_those_it_leaves_to_python(
         recvq_child_threshold_ns=recvq_child_ns,
     )
     got = span_bytes._server_span_c(*_server_span_args(rec, opts))
-    left = name.startswith("http2") or "CUDA" in name or name == "big counters"
+    left = "CUDA" in name or name == "big counters"
     assert (got is None) == left, got
     if got is not None:
         body, children = got
@@ -422,9 +427,11 @@ def test_server_span_rejects_what_it_cannot_read_and_bounds_its_cache():
     with pytest.raises(ValueError):
         c(*_server_span_args(rec, opts, rec=bytes(rec)[:100]))
     with pytest.raises(TypeError):
-        c(*_server_span_args(rec, opts, prefixes={}, make_prefix=lambda m, p: "not bytes"))
+        c(*_server_span_args(rec, opts, prefixes={}, make_prefix=lambda m, p, g: "not bytes"))
+    with pytest.raises(TypeError):
+        c(*_server_span_args(rec, opts, prefixes={}, make_prefix=lambda m, p, g: (b"", b"")))
     with pytest.raises(ZeroDivisionError):  # the maker's own error, as it is
-        c(*_server_span_args(rec, opts, prefixes={}, make_prefix=lambda m, p: 1 / 0))
+        c(*_server_span_args(rec, opts, prefixes={}, make_prefix=lambda m, p, g: 1 / 0))
     with pytest.raises(TypeError):
         c(*_server_span_args(rec, opts, extra="text"))
     # a port beyond int64 (never from the kernel): left to Python, which writes it as it can

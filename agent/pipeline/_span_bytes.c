@@ -1,8 +1,8 @@
 /*
  * span_bytes.py, compiled: an OTLP Span message's bytes in one call. Two functions:
  *
- * join(parts): the parts of one Span message -> its bytes. span_bytes.encode_spans decides which
- *   fields a span has (in Python, for the rarer records: HTTP/2 streams, CUDA sums) and hands
+ * join(parts): the parts of one Span message -> its bytes. span_bytes._encode_py decides which
+ *   fields a span has (in Python, for the records server_span leaves to it) and hands
  *   this a list of parts:
  *   - bytes (exactly bytes): copied as they are (pre-encoded fields, cached string attributes);
  *   - an IntKey (a bytes subclass holding the KeyValue.key field and the KeyValue.value tag)
@@ -10,12 +10,12 @@
  *   span_bytes._join_py is the same function in Python. An int outside [0, INT64_MAX] raises
  *   OverflowError: span_bytes then joins that span in Python, which writes it as otlp_wire does.
  *
- * server_span(...): an HTTP/1.x record -> its server span's bytes, reading the record's fields
+ * server_span(...): a record -> its server span's bytes (HTTP/1.x and HTTP/2), reading its fields
  *   straight from the kernel's struct (bpf/http_record.h, the same header the probes use) with
- *   no Python object per field. The strings (span name, method, path, addresses, the process's
- *   sources, GPU samples) stay Python's, encoded and cached by span_bytes and passed in as
- *   bytes; this writes the ids, times, every int and flag attribute and the status around them,
- *   in build_spans' order. span_bytes._encode_py is the reference: tests/test_span_bytes.py
+ *   no Python object per field. The strings (span name, method, path, a gRPC call's service and
+ *   method, addresses, the process's sources, GPU samples) stay Python's, encoded and cached by
+ *   span_bytes and passed in as bytes; this writes the ids, times, every int and flag attribute,
+ *   HTTP/2's fixed strings and the status around them, in build_spans' order. span_bytes._encode_py is the reference: tests/test_span_bytes.py
  *   requires both, and build_spans, to write the same bytes over a varied set of records.
  *   Returns None where that path must be taken instead (a value beyond int64, CUDA sums).
  */
@@ -209,8 +209,77 @@ static char *put_true_attr(char *p, const char *key, size_t klen)
     return p;
 }
 
+/* Span.attributes field of a string attribute (key and value short: one-byte lengths). */
+static char *put_str_attr(char *p, const char *key, size_t klen, const char *v, size_t vlen)
+{
+    *p++ = (char)T_SPAN_ATTR;
+    *p++ = (char)(klen + vlen + 6); /* KeyValue: 0a klen key, 12 anylen, 0a vlen value */
+    *p++ = 0x0a;
+    *p++ = (char)klen;
+    memcpy(p, key, klen);
+    p += klen;
+    *p++ = 0x12;
+    *p++ = (char)(vlen + 2);
+    *p++ = 0x0a; /* AnyValue.string_value */
+    *p++ = (char)vlen;
+    memcpy(p, v, vlen);
+    return p + vlen;
+}
+
+/* Span.status: an error with this message ("" for none). */
+static char *put_error_status(char *p, const char *msg, size_t n)
+{
+    *p++ = 0x7a;
+    *p++ = (char)((n ? 2 + n : 0) + 2);
+    if (n) {
+        *p++ = 0x12; /* Status.message */
+        *p++ = (char)n;
+        memcpy(p, msg, n);
+        p += n;
+    }
+    *p++ = 0x18; /* Status.code */
+    *p++ = STATUS_ERROR;
+    return p;
+}
+
+/* spans._h2_ended_by: how a stream ended when not by the server's END_STREAM; NULL if so. */
+static const char *h2_ended_by(unsigned flags)
+{
+    if (flags & H2F_RST)
+        return "rst_stream";
+    if (flags & H2F_GOAWAY)
+        return "goaway";
+    if (flags & H2F_LOST)
+        return "framing_lost";
+    if (flags & H2F_CLOSED)
+        return "connection_close";
+    return NULL;
+}
+
+/* spans.GRPC_SERVER_ERRORS with their GRPC_CODE_NAMES; NULL: not a server error. */
+static const char *grpc_server_error(unsigned code)
+{
+    switch (code) {
+    case 2:
+        return "UNKNOWN";
+    case 4:
+        return "DEADLINE_EXCEEDED";
+    case 12:
+        return "UNIMPLEMENTED";
+    case 13:
+        return "INTERNAL";
+    case 14:
+        return "UNAVAILABLE";
+    case 15:
+        return "DATA_LOSS";
+    default:
+        return NULL;
+    }
+}
+
 #define INT_ATTR(name, v) (p = put_int_attr(p, name, sizeof(name) - 1, (uint64_t)(v), &beyond))
 #define TRUE_ATTR(name) (p = put_true_attr(p, name, sizeof(name) - 1))
+#define STR_ATTR(name, v, vlen) (p = put_str_attr(p, name, sizeof(name) - 1, (v), (vlen)))
 #define SHARED "tracejoin.work.shared."
 
 /* An int argument as uint64 (mask: ids); -1 with an exception set when it is not an int. */
@@ -232,26 +301,28 @@ static int arg_bytes(PyObject *o, const char *what)
     return -1;
 }
 
-/* The request's (pre, method_original) fields from `prefixes`, keyed by the method and path
- * bytes; on a miss make_prefix(method, path) makes them (span_bytes._request_prefix). New refs. */
-static int request_prefix(const struct http_record *r, PyObject *prefixes, PyObject *make,
-                          PyObject **pre, PyObject **mo)
+/* The request's (pre, method_original, rpc) fields from `prefixes`, keyed by the method and path
+ * bytes and whether an HTTP/2 stream carried a grpc-status (its name is then the gRPC call's);
+ * on a miss make_prefix(method, path, grpc) makes them (span_bytes._request_prefix). New refs. */
+static int request_prefix(const struct http_record *r, int grpc, PyObject *prefixes,
+                          PyObject *make, PyObject *fields[3])
 {
     size_t mlen = r->method_len < HTTP_METHOD_MAX ? r->method_len : HTTP_METHOD_MAX;
     size_t plen = r->path_len < HTTP_PATH_MAX ? r->path_len : HTTP_PATH_MAX;
-    char kb[1 + HTTP_METHOD_MAX + HTTP_PATH_MAX];
+    char kb[2 + HTTP_METHOD_MAX + HTTP_PATH_MAX];
     kb[0] = (char)mlen; /* the method's length first: no two (method, path) share a key */
-    memcpy(kb + 1, r->method, mlen);
-    memcpy(kb + 1 + mlen, r->path, plen);
-    PyObject *key = PyBytes_FromStringAndSize(kb, (Py_ssize_t)(1 + mlen + plen));
+    kb[1] = (char)grpc;
+    memcpy(kb + 2, r->method, mlen);
+    memcpy(kb + 2 + mlen, r->path, plen);
+    PyObject *key = PyBytes_FromStringAndSize(kb, (Py_ssize_t)(2 + mlen + plen));
     if (key == NULL)
         return -1;
     PyObject *got = PyDict_GetItemWithError(prefixes, key); /* borrowed */
     if (got == NULL) {
         if (PyErr_Occurred())
             goto fail;
-        got = PyObject_CallFunction(make, "y#y#", r->method, (Py_ssize_t)mlen, r->path,
-                                    (Py_ssize_t)plen);
+        got = PyObject_CallFunction(make, "y#y#O", r->method, (Py_ssize_t)mlen, r->path,
+                                    (Py_ssize_t)plen, grpc ? Py_True : Py_False);
         if (got == NULL)
             goto fail;
         if (PyDict_GET_SIZE(prefixes) >= PREFIX_CACHE_MAX)
@@ -262,15 +333,15 @@ static int request_prefix(const struct http_record *r, PyObject *prefixes, PyObj
             goto fail;
     }
     Py_DECREF(key);
-    if (!PyTuple_CheckExact(got) || PyTuple_GET_SIZE(got) != 2
-        || arg_bytes(PyTuple_GET_ITEM(got, 0), "the request prefix") < 0
-        || arg_bytes(PyTuple_GET_ITEM(got, 1), "the method_original field") < 0) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "make_prefix must return (bytes, bytes)");
+    if (!PyTuple_CheckExact(got) || PyTuple_GET_SIZE(got) != 3) {
+        PyErr_SetString(PyExc_TypeError, "make_prefix must return (bytes, bytes, bytes)");
         return -1;
     }
-    *pre = Py_NewRef(PyTuple_GET_ITEM(got, 0));
-    *mo = Py_NewRef(PyTuple_GET_ITEM(got, 1));
+    for (int i = 0; i < 3; i++)
+        if (arg_bytes(PyTuple_GET_ITEM(got, i), "a request prefix field") < 0)
+            return -1;
+    for (int i = 0; i < 3; i++)
+        fields[i] = Py_NewRef(PyTuple_GET_ITEM(got, i));
     return 0;
 fail:
     Py_DECREF(key);
@@ -372,7 +443,7 @@ static PyObject *server_span(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
         return NULL;
-    PyObject *result = NULL, *pre = NULL, *mo = NULL, *saddr = NULL, *caddr = NULL;
+    PyObject *result = NULL, *prefix[3] = {NULL, NULL, NULL}, *saddr = NULL, *caddr = NULL;
     PyObject *body = NULL;
     if (view.len < (Py_ssize_t)sizeof(struct http_record)) {
         PyErr_SetString(PyExc_ValueError, "rec is shorter than struct http_record");
@@ -381,12 +452,16 @@ static PyObject *server_span(PyObject *self, PyObject *const *args, Py_ssize_t n
     const struct http_record *r = view.buf;
     unsigned on = (unsigned)signals;
     int tracked = (on & SIGM_WORKSET) && (r->ws_flags & WSF_TRACKED);
-    if ((r->h2_flags & H2F_STREAM) || (tracked && (on & SIGM_CUDA) && (r->ws_flags & WSF_CUDA))) {
-        result = Py_NewRef(Py_None); /* HTTP/2 and CUDA: the Python path */
+    if (tracked && (on & SIGM_CUDA) && (r->ws_flags & WSF_CUDA)) {
+        result = Py_NewRef(Py_None); /* CUDA sums: the Python path */
         goto out;
     }
-    if (request_prefix(r, prefixes, make, &pre, &mo) < 0)
+    int h2 = !!(r->h2_flags & H2F_STREAM);
+    int grpc = h2 && r->grpc_status; /* spans.h2_call: grpc-status + 1, 0 when none was seen */
+    unsigned grpc_code = grpc ? (unsigned)r->grpc_status - 1 : 0;
+    if (request_prefix(r, grpc, prefixes, make, prefix) < 0)
         goto out;
+    PyObject *pre = prefix[0], *mo = prefix[1], *rpc = prefix[2];
     uint64_t lport = 0, rport = 0;
     if (ep != Py_None) {
         int got = endpoint(ep, "local_addr", "local_port", args[9], &saddr, &lport);
@@ -399,7 +474,8 @@ static PyObject *server_span(PyObject *self, PyObject *const *args, Py_ssize_t n
             goto out;
         }
     }
-    Py_ssize_t given = PyBytes_GET_SIZE(pre) + PyBytes_GET_SIZE(mo) + PyBytes_GET_SIZE(extra)
+    Py_ssize_t given = PyBytes_GET_SIZE(pre) + PyBytes_GET_SIZE(mo) + PyBytes_GET_SIZE(rpc)
+                       + PyBytes_GET_SIZE(extra)
                        + PyBytes_GET_SIZE(gpu) + (saddr ? PyBytes_GET_SIZE(saddr) : 0)
                        + (caddr ? PyBytes_GET_SIZE(caddr) : 0);
     body = PyBytes_FromStringAndSize(NULL, given + OWN_BYTES_MAX); /* cut to size below */
@@ -446,6 +522,20 @@ static PyObject *server_span(PyObject *self, PyObject *const *args, Py_ssize_t n
     p = put_bytes(p, mo);
     if (r->status)
         INT_ATTR("http.response.status_code", r->status);
+    const char *ended = h2_ended_by(r->h2_flags);
+    if (h2) { /* build_spans' HTTP/2 block, in its order */
+        STR_ATTR("network.protocol.version", "2", 1);
+        INT_ATTR("tracejoin.http2.stream_id", r->seq);
+        if (ended != NULL)
+            STR_ATTR("tracejoin.http2.ended_by", ended, strlen(ended));
+        if (r->h2_flags & H2F_UNRESOLVED)
+            TRUE_ATTR("tracejoin.http2.field_unresolved");
+        if (grpc) {
+            STR_ATTR("rpc.system", "grpc", 4);
+            INT_ATTR("rpc.grpc.status_code", grpc_code);
+        }
+        p = put_bytes(p, rpc); /* rpc.service, rpc.method: b"" unless a gRPC call */
+    }
     if (saddr != NULL) {
         p = put_bytes(p, saddr);
         INT_ATTR("server.port", lport);
@@ -530,22 +620,19 @@ static PyObject *server_span(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (r->flags & REQF_RESP_UNTERM)
         TRUE_ATTR("tracejoin.http.response_unframed");
     p = put_bytes(p, gpu);
-    /* spans.server_status, for HTTP/1.x: no response, or a 5xx, is an error */
+    /* spans.server_status: no response, a 5xx, a gRPC code a server reports as its own error, or
+     * (without a grpc-status) a stream reset or refused */
+    const char *grpc_error = grpc ? grpc_server_error(grpc_code) : NULL;
     if (r->flags & REQF_NO_RESPONSE) {
-        size_t n = sizeof(NO_RESPONSE_MSG) - 1;
-        *p++ = 0x7a; /* Span.status: message (2), code (3) */
-        *p++ = (char)(2 + n + 2);
-        *p++ = 0x12;
-        *p++ = (char)n;
-        memcpy(p, NO_RESPONSE_MSG, n);
-        p += n;
-        *p++ = 0x18;
-        *p++ = STATUS_ERROR;
+        p = put_error_status(p, NO_RESPONSE_MSG, sizeof(NO_RESPONSE_MSG) - 1);
     } else if (r->status >= 500) {
-        *p++ = 0x7a;
-        *p++ = 0x02;
-        *p++ = 0x18;
-        *p++ = STATUS_ERROR;
+        p = put_error_status(p, "", 0);
+    } else if (grpc_error != NULL) {
+        p = put_error_status(p, grpc_error, strlen(grpc_error));
+    } else if (!grpc && (r->h2_flags & (H2F_RST | H2F_GOAWAY))) {
+        char msg[40]; /* "stream ended by " + rst_stream or goaway */
+        int n = snprintf(msg, sizeof(msg), "stream ended by %s", ended);
+        p = put_error_status(p, msg, (size_t)n);
     }
     if (beyond) {
         result = Py_NewRef(Py_None);
@@ -557,8 +644,8 @@ static PyObject *server_span(PyObject *self, PyObject *const *args, Py_ssize_t n
     result = PyTuple_Pack(2, body, children ? Py_True : Py_False);
 out:
     Py_XDECREF(body);
-    Py_XDECREF(pre);
-    Py_XDECREF(mo);
+    for (int i = 0; i < 3; i++)
+        Py_XDECREF(prefix[i]);
     Py_XDECREF(saddr);
     Py_XDECREF(caddr);
     PyBuffer_Release(&view);
@@ -568,7 +655,7 @@ out:
 static PyMethodDef methods[] = {
     {"join", join, METH_O, "The parts of one OTLP Span message -> its bytes (see span_bytes)."},
     {"server_span", (PyCFunction)(void (*)(void))server_span, METH_FASTCALL,
-     "An HTTP/1.x record's server span -> (bytes, children may follow), or None (see span_bytes)."},
+     "A record's server span -> (bytes, children may follow), or None (see span_bytes)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -3,11 +3,12 @@ no attribute dict: the object-free twin of spans.build_spans, for destinations t
 OTLP protobuf (`tracejoin run`, a capture whose destinations all accept encoded spans).
 
 Two writers of the same bytes. Where `_span_bytes.c` was compiled at install, its server_span
-writes an HTTP/1.x record's span in one call: it reads the kernel's struct itself (the probes'
-own header) and writes the ids, times and every int and flag attribute, while the strings stay
-here, encoded once and cached (the span name with the method and path fields per request
-line, the addresses, the process's sources), and are passed in as bytes. `_encode_py` is the
-reference and the fallback (no compiler; HTTP/2 streams; CUDA sums; a value beyond int64):
+writes a record's span in one call (HTTP/1.x and HTTP/2): it reads the kernel's struct itself
+(the probes' own header) and writes the ids, times, every int and flag attribute and the
+status, while the strings stay here, encoded once and cached (per request line the span name
+with the method and path fields and a gRPC call's service and method; the addresses; the
+process's sources), and are passed in as bytes. `_encode_py` is the reference and the fallback
+(no compiler; CUDA sums; a value beyond int64):
 constant parts are encoded once at import (each attribute key with its KeyValue/AnyValue
 framing for every varint length, the fixed network.* pair, kinds, statuses), and per record it
 lists the span's parts (bytes, and each int attribute as its IntKey and the value) for one
@@ -18,8 +19,8 @@ made to all.
 
 Child spans (a long receive-queue wait, run-queue waits, work-set helpers, CUDA waits) keep the
 object path: they are rare and their parent only lends its ids; the OTLP encoder takes a batch
-that mixes both. HTTP/2 streams take `_encode_py`, with build_spans' own helpers for what is
-decided rather than copied (h2_call, server_status).
+that mixes both. `_encode_py` uses build_spans' own helpers for what is decided rather than
+copied (h2_call, server_status); the C writes the same rules (test_span_bytes holds them to it).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ from tracejoin.pipeline.spans import (
     _tlb_names,
     _tracked,
     child_spans,
+    grpc_call,
     h2_call,
     http_span_name,
     needs_children,
@@ -416,23 +418,35 @@ def _encode_py(e: EnrichedRecord, opts: SpanOptions, span_id: int) -> bytes:
         return _join_py(p)
 
 
-def _request_prefix(method_raw: bytes, path_raw: bytes, instrumented: bool) -> tuple[bytes, bytes]:
-    """For server_span, per request line: the fields from the span's name to network.* (name,
-    kind, method, url.path, network.*), and the http.request.method_original field (or b"")."""
+def _request_prefix(
+    method_raw: bytes, path_raw: bytes, grpc: bool, instrumented: bool
+) -> tuple[bytes, bytes, bytes]:
+    """For server_span, per request line (and whether an HTTP/2 stream carried a grpc-status,
+    h2_call's rule): the fields from the span's name to network.* (name, kind, method, url.path,
+    network.*); the http.request.method_original field (or b""); rpc.service and rpc.method
+    when the stream is a gRPC call (or b"")."""
     method, method_original = http_method(method_raw)
     path = url_path(path_raw)
+    call = grpc_call(path) if grpc else None
     pre = (
-        _name_field(method, path, instrumented)
+        (
+            _name_field(method, path, instrumented)
+            if call is None
+            else _name_field("", f"{call[0]}/{call[1]}", instrumented)
+        )
         + _KIND[KIND_INTERNAL if instrumented else KIND_SERVER]
         + _METHOD(method)
         + _PATH(path)
         + _NETWORK
     )
-    return pre, b"" if method_original is None else _METHOD_ORIGINAL(method_original)
+    mo = b"" if method_original is None else _METHOD_ORIGINAL(method_original)
+    rpc = b"" if call is None else _RPC_SERVICE(call[0]) + _RPC_METHOD(call[1])
+    return pre, mo, rpc
 
 
 # server_span's cache of _request_prefix (it bounds it) and the maker, per span kind
-_PREFIXES: dict[bool, tuple[dict[bytes, tuple[bytes, bytes]], Callable[..., tuple[bytes, bytes]]]]
+_Prefix = tuple[bytes, bytes, bytes]
+_PREFIXES: dict[bool, tuple[dict[bytes, _Prefix], Callable[..., _Prefix]]]
 _PREFIXES = {
     instrumented: ({}, partial(_request_prefix, instrumented=instrumented))
     for instrumented in (False, True)
