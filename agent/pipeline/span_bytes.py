@@ -7,20 +7,21 @@ writes a record's span in one call (HTTP/1.x and HTTP/2): it reads the kernel's 
 (the probes' own header) and writes the ids, times, every int and flag attribute and the
 status, while the strings stay here, encoded once and cached (per request line the span name
 with the method and path fields and a gRPC call's service and method; the addresses; the
-process's sources), and are passed in as bytes. `_encode_py` is the reference and the fallback
-(no compiler; CUDA sums; a value beyond int64):
-constant parts are encoded once at import (each attribute key with its KeyValue/AnyValue
-framing for every varint length, the fixed network.* pair, kinds, statuses), and per record it
-lists the span's parts (bytes, and each int attribute as its IntKey and the value) for one
-join, compiled or `_join_py`. build_spans stays the reference of both: `test_span_bytes`
-builds all three over a varied set of records and compares the request bytes, so the
-attribute order here, and in the C, follows build_spans' line by line; a change to one must be
-made to all.
+process's sources), and are passed in as bytes (`_request_prefix` makes the per-request-line
+ones for both writers). `_encode_py` is the reference and the fallback (no compiler; CUDA sums;
+a value beyond int64): constant parts are encoded once at import (each attribute key with its
+KeyValue/AnyValue framing for every varint length, the fixed network.* pair, kinds, statuses),
+and per record it lists the span's parts (bytes, and each int attribute as its IntKey and the
+value) for one join, compiled or `_join_py`. build_spans stays the reference of both:
+`test_span_bytes` builds all three over a varied set of records and compares the request bytes,
+so the attribute order here, and in the C, follows build_spans' line by line; a change to one
+must be made to all.
 
 Child spans (a long receive-queue wait, run-queue waits, work-set helpers, CUDA waits) keep the
 object path: they are rare and their parent only lends its ids; the OTLP encoder takes a batch
-that mixes both. `_encode_py` uses build_spans' own helpers for what is decided rather than
-copied (h2_call, server_status); the C writes the same rules (test_span_bytes holds them to it).
+that mixes both. The Python writers use build_spans' own helpers for what is decided rather than
+copied (grpc_call, http_span_name, server_status); the C writes the same rules (test_span_bytes
+holds it to them).
 """
 
 from __future__ import annotations
@@ -79,7 +80,6 @@ from tracejoin.pipeline.spans import (
     _tracked,
     child_spans,
     grpc_call,
-    h2_call,
     http_span_name,
     needs_children,
     server_status,
@@ -281,13 +281,13 @@ def _encode_py(e: EnrichedRecord, opts: SpanOptions, span_id: int) -> bytes:
     """The server span's bytes, in Python: any record (server_span's reference)."""
     rec = e.rec
     on = opts.signals
-    method, method_original = http_method(rec.method_bytes())
-    path = url_path(rec.path_bytes())
     flags = rec.flags
-    instrumented = bool(e.instrumented)
     h2_flags = rec.h2_flags
     h2 = h2_flags & H2F_STREAM
-    grpc_code, call = h2_call(rec, path) if h2 else (None, None)
+    grpc_code = rec.grpc_status - 1 if h2 and rec.grpc_status else None  # h2_call's rule
+    pre, method_original, rpc = _request_prefix(
+        rec.method_bytes(), rec.path_bytes(), grpc_code is not None, bool(e.instrumented)
+    )
     # each ctypes field read makes a new int: read the times once (EnrichedRecord's
     # start_mono_ns/end_mono_ns, inline)
     arrival_ns, read_ns, off = rec.arrival_ns, rec.read_ns, e.clock_offset_ns
@@ -301,13 +301,7 @@ def _encode_py(e: EnrichedRecord, opts: SpanOptions, span_id: int) -> bytes:
             max(rec.end_ns, read_ns) + off,
             e.trace_flags,
         ),
-        _name_field(method, path, instrumented)
-        if call is None
-        else _name_field("", f"{call[0]}/{call[1]}", instrumented),
-        _KIND[KIND_INTERNAL if instrumented else KIND_SERVER],
-        _METHOD(method),
-        _PATH(path),
-        _NETWORK,
+        pre,  # name, kind, method, url.path, network.*
         _TID,
         rec.tid,
         _REQ_SIZE,
@@ -318,9 +312,8 @@ def _encode_py(e: EnrichedRecord, opts: SpanOptions, span_id: int) -> bytes:
         rec.conn_id,
         _SEQ,
         rec.seq,
+        method_original,  # b"" when the method is a known one
     ]
-    if method_original is not None:
-        p.append(_METHOD_ORIGINAL(method_original))
     status = rec.status
     if status:
         p += (_STATUS_CODE, status)
@@ -333,8 +326,7 @@ def _encode_py(e: EnrichedRecord, opts: SpanOptions, span_id: int) -> bytes:
             p.append(_H2_UNRESOLVED)
         if grpc_code is not None:
             p += (_RPC_GRPC, _GRPC_CODE, grpc_code)
-        if call is not None:
-            p += (_RPC_SERVICE(call[0]), _RPC_METHOD(call[1]))
+        p.append(rpc)  # rpc.service, rpc.method: b"" unless a gRPC call
     ep = e.endpoints
     if ep is not None:
         p += (
@@ -421,7 +413,7 @@ def _encode_py(e: EnrichedRecord, opts: SpanOptions, span_id: int) -> bytes:
 def _request_prefix(
     method_raw: bytes, path_raw: bytes, grpc: bool, instrumented: bool
 ) -> tuple[bytes, bytes, bytes]:
-    """For server_span, per request line (and whether an HTTP/2 stream carried a grpc-status,
+    """For both writers, per request line (and whether an HTTP/2 stream carried a grpc-status,
     h2_call's rule): the fields from the span's name to network.* (name, kind, method, url.path,
     network.*); the http.request.method_original field (or b""); rpc.service and rpc.method
     when the stream is a gRPC call (or b"")."""
