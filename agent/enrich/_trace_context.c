@@ -5,10 +5,10 @@
  * kernel's struct (bpf/http_record.h). Anything else -> None, and correlate.trace_context
  * decides it in Python (traceparent.parse, the W3C rules and every rejection reason).
  *
- * So this can only accept, never reject: it accepts exactly what traceparent.parse's own fast
- * path accepts, which tests/test_traceparent.py checks over the hostile corpus and random
- * mutations of a valid value (a value accepted here that parse rejects, or reads otherwise,
- * would put a span in the wrong trace).
+ * So this can only accept, never reject: it accepts exactly the values traceparent.parse reads
+ * as valid version 00, with the same ids, which tests/test_traceparent.py checks over the
+ * rules' edges, mutations of a valid value and arbitrary bytes (a value accepted here that
+ * parse rejects, or reads otherwise, would put a span in the wrong trace).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -15,8 +15,9 @@
  *   no Python object per field. The strings (span name, method, path, a gRPC call's service and
  *   method, addresses, the process's sources, GPU samples) stay Python's, encoded and cached by
  *   span_bytes and passed in as bytes; this writes the ids, times, every int and flag attribute,
- *   HTTP/2's fixed strings and the status around them, in build_spans' order. span_bytes._encode_py is the reference: tests/test_span_bytes.py
- *   requires both, and build_spans, to write the same bytes over a varied set of records.
+ *   HTTP/2's fixed strings and the status around them, in build_spans' order.
+ *   span_bytes._encode_py is the reference: tests/test_span_bytes.py requires both, and
+ *   build_spans, to write the same bytes over a varied set of records.
  *   Returns None where that path must be taken instead (a value beyond int64, CUDA sums).
  */
 #define PY_SSIZE_T_CLEAN
@@ -171,9 +172,24 @@ static char *put_bytes(char *p, PyObject *b)
     return p + n;
 }
 
-/* Span.attributes field of an int attribute (key shorter than 0x80 - 15: one-byte lengths).
- * A value beyond int64 sets *beyond: the caller takes the Python path, which writes it as
- * otlp_wire does. */
+/* A Span.attributes field up to its AnyValue: the tag, the KeyValue's length, its key field and
+ * the value's tag and length, for an AnyValue of any_len bytes (key and value short: one-byte
+ * lengths, as the keys and fixed values here are). */
+static char *put_kv_head(char *p, const char *key, size_t klen, size_t any_len)
+{
+    *p++ = (char)T_SPAN_ATTR;
+    *p++ = (char)(klen + 4 + any_len); /* KeyValue: 0a klen key, 12 any_len, AnyValue */
+    *p++ = 0x0a;
+    *p++ = (char)klen;
+    memcpy(p, key, klen);
+    p += klen;
+    *p++ = 0x12;
+    *p++ = (char)any_len;
+    return p;
+}
+
+/* Span.attributes field of an int attribute. A value beyond int64 sets *beyond: the caller
+ * takes the Python path, which writes it as otlp_wire does. */
 static char *put_int_attr(char *p, const char *key, size_t klen, uint64_t v, int *beyond)
 {
     if (v > (uint64_t)INT64_MAX) {
@@ -181,14 +197,7 @@ static char *put_int_attr(char *p, const char *key, size_t klen, uint64_t v, int
         return p;
     }
     size_t vlen = (size_t)varint_len(v);
-    *p++ = (char)T_SPAN_ATTR;
-    *p++ = (char)(klen + 5 + vlen); /* KeyValue: 0a klen key, 12 anylen, 18 varint */
-    *p++ = 0x0a;
-    *p++ = (char)klen;
-    memcpy(p, key, klen);
-    p += klen;
-    *p++ = 0x12;
-    *p++ = (char)(1 + vlen);
+    p = put_kv_head(p, key, klen, 1 + vlen);
     *p++ = (char)T_ANY_INT;
     return put_varint(p, v);
 }
@@ -196,30 +205,16 @@ static char *put_int_attr(char *p, const char *key, size_t klen, uint64_t v, int
 /* Span.attributes field of a bool attribute that is true. */
 static char *put_true_attr(char *p, const char *key, size_t klen)
 {
-    *p++ = (char)T_SPAN_ATTR;
-    *p++ = (char)(klen + 6);
-    *p++ = 0x0a;
-    *p++ = (char)klen;
-    memcpy(p, key, klen);
-    p += klen;
-    *p++ = 0x12;
-    *p++ = 0x02;
+    p = put_kv_head(p, key, klen, 2);
     *p++ = 0x10; /* AnyValue.bool_value */
     *p++ = 0x01;
     return p;
 }
 
-/* Span.attributes field of a string attribute (key and value short: one-byte lengths). */
+/* Span.attributes field of a string attribute. */
 static char *put_str_attr(char *p, const char *key, size_t klen, const char *v, size_t vlen)
 {
-    *p++ = (char)T_SPAN_ATTR;
-    *p++ = (char)(klen + vlen + 6); /* KeyValue: 0a klen key, 12 anylen, 0a vlen value */
-    *p++ = 0x0a;
-    *p++ = (char)klen;
-    memcpy(p, key, klen);
-    p += klen;
-    *p++ = 0x12;
-    *p++ = (char)(vlen + 2);
+    p = put_kv_head(p, key, klen, 2 + vlen);
     *p++ = 0x0a; /* AnyValue.string_value */
     *p++ = (char)vlen;
     memcpy(p, v, vlen);
@@ -376,7 +371,8 @@ static int endpoint(PyObject *ep, const char *addr_name, const char *port_name, 
     return 0;
 }
 
-static int needs_children(const struct http_record *r, unsigned signals, int queued,
+/* spans.needs_children: whether child_spans can return anything for this record. */
+static int needs_children(const struct http_record *r, unsigned signals, int queued, int tracked,
                           uint64_t recvq_threshold, uint64_t runq_threshold)
 {
     if (queued && (signals & SIGM_RECVQ) && r->read_ns - r->arrival_ns >= recvq_threshold)
@@ -385,7 +381,6 @@ static int needs_children(const struct http_record *r, unsigned signals, int que
         for (int i = 0; i < RUNQ_SLOTS; i++)
             if (r->runq[i].dur_ns >= runq_threshold)
                 return 1;
-    int tracked = (signals & SIGM_WORKSET) && (r->ws_flags & WSF_TRACKED);
     return tracked && (r->ws_nslots > 0 || (r->ws_flags & WSF_CUDA));
 }
 
@@ -640,7 +635,7 @@ static PyObject *server_span(PyObject *self, PyObject *const *args, Py_ssize_t n
     }
     if (_PyBytes_Resize(&body, p - PyBytes_AS_STRING(body)) < 0)
         goto out; /* body is NULL now */
-    int children = needs_children(r, on, queued, recvq_threshold, runq_threshold);
+    int children = needs_children(r, on, queued, tracked, recvq_threshold, runq_threshold);
     result = PyTuple_Pack(2, body, children ? Py_True : Py_False);
 out:
     Py_XDECREF(body);
