@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                 on["records_per_request"] = d.get("kernel_records_submitted", 0) / n
                 on["shed_per_request"] = d.get("kernel_sampled_out_budget", 0) / n
                 on.update({k: v for k, v in d.items() if k.startswith("kernel_h2_") and v})
-                cpu_us = (sum(c1) - sum(c0)) * 1e6
+                cpu_us = (c1.on_cpu - c0.on_cpu) * 1e6
                 on["agent_cpu_us_per_request"] = round(cpu_us / n, 1)
                 on["agent_cpu_us_per_record"] = round(
                     cpu_us / max(1, d.get("records_received", 0)), 1

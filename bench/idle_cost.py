@@ -58,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         agent.start()
         try:
             time.sleep(3)
-            c0, t0 = sum(agent.cpu_split()), time.monotonic()
+            c0, t0 = agent.cpu_split().on_cpu, time.monotonic()
             time.sleep(args.seconds)
-            c1, t1 = sum(agent.cpu_split()), time.monotonic()
+            c1, t1 = agent.cpu_split().on_cpu, time.monotonic()
         finally:
             agent.stop()
         print(f"run {run + 1}: idle agent {(c1 - c0) / (t1 - t0) * 1e3:.1f} ms of CPU a second")

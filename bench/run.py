@@ -211,7 +211,7 @@ class Bench:
             }
             rec["foreign_bpf_progs"] = m.foreign_tracing_progs(own)
             before = agent.metrics() if agent else {}
-            a_cpu0 = agent.cpu_split() if agent else (0.0, 0.0)
+            a_cpu0 = agent.cpu_split() if agent else m.Cpu(0.0, 0.0, 0.0)
             s_cpu0 = sum(m.cpu_seconds(self.server_pid))
             mine = {self.server_pid}  # and every child of this process (m.other_cpu_seconds)
             procs0 = m.process_cpu_table()
@@ -353,9 +353,9 @@ def empty_programs_syscalls(cfg: Config) -> dict[str, Any]:
         bpf.cleanup()
 
 
-def agent_delta(d: dict[str, float], c0: tuple[float, float], c1: tuple[float, float]) -> dict:
+def agent_delta(d: dict[str, float], c0: m.Cpu, c1: m.Cpu) -> dict:
     received = d.get("records_received", 0)
-    user, system = c1[0] - c0[0], c1[1] - c0[1]
+    user, system, on_cpu = c1.user - c0.user, c1.system - c0.system, c1.on_cpu - c0.on_cpu
     lost_user = d.get("records_dropped_userspace", 0)
     return {
         "records_submitted": int(d.get("kernel_records_submitted", 0)),
@@ -369,7 +369,8 @@ def agent_delta(d: dict[str, float], c0: tuple[float, float], c1: tuple[float, f
         "sampled_out_budget": int(d.get("kernel_sampled_out_budget", 0)),
         "cpu_user_s": round(user, 3),
         "cpu_sys_s": round(system, 3),
-        "cpu_us_per_record": round((user + system) * 1e6 / received, 2) if received else None,
+        "cpu_s": round(on_cpu, 6),  # user + system to the ns (threads' schedstat)
+        "cpu_us_per_record": round(on_cpu * 1e6 / received, 2) if received else None,
         "user_us_per_record": round(user * 1e6 / received, 2) if received else None,
     }
 
@@ -474,14 +475,20 @@ def _per_span(agents: list[dict]) -> float | None:
     """Agent CPU (user+sys) per span built for export (spans_built: the exporter's 1 s flush
     may not have sent the last ones when the phase's CPU is read, but their CPU is counted)."""
     spans = sum(a.get("spans_built", 0) for a in agents)
-    cpu = sum(a["cpu_user_s"] + a["cpu_sys_s"] for a in agents)
+    cpu = sum(map(_cpu_s, agents))
     return round(cpu * 1e6 / spans, 2) if spans else None
 
 
 def _per_record(agents: list[dict]) -> float | None:
     rec = sum(a["records_received"] for a in agents)
-    cpu = sum(a["cpu_user_s"] + a["cpu_sys_s"] for a in agents)
+    cpu = sum(map(_cpu_s, agents))
     return round(cpu * 1e6 / rec, 2) if rec else None
+
+
+def _cpu_s(agent_cost: dict) -> float:
+    """An agent's user + system seconds in a phase: to the ns where the result has it
+    (since 2026-12-03), else from clock ticks."""
+    return agent_cost.get("cpu_s", agent_cost["cpu_user_s"] + agent_cost["cpu_sys_s"])
 
 
 @dataclass
@@ -1075,7 +1082,7 @@ def assemble(
         rec = sum(a["records_received"] for a in ags)
         if rec:
             per_scenario[sc.key] = {
-                "cpu": sum(a["cpu_user_s"] + a["cpu_sys_s"] for a in ags) * 1e6 / rec,
+                "cpu": sum(map(_cpu_s, ags)) * 1e6 / rec,
                 "user": sum(a["cpu_user_s"] for a in ags) * 1e6 / rec,
             }
     http_on = [p for p in bench.phases if "agent_cost" in p and p["scenario"] != "syscalls"]

@@ -119,3 +119,71 @@ def test_mappings_smaller_than_the_ring_are_refused():
 def test_the_reader_refuses_a_size_that_is_not_a_power_of_two():
     with pytest.raises(ValueError, match="power of two"):
         ring.RingReader(-1, 3 * PAGE)
+
+
+# A real ring buffer, written by a program on this process's getppid(2) with the flags put in
+# `flags` (1: BPF_RB_NO_WAKEUP, 2: BPF_RB_FORCE_WAKEUP), read through RingReader.
+WAKE_PROGRAM = """
+BPF_RINGBUF_OUTPUT(ring, 1);
+BPF_ARRAY(flags, u64, 1);
+TRACEPOINT_PROBE(syscalls, sys_enter_getppid) {
+    if ((bpf_get_current_pid_tgid() >> 32) != TGID)
+        return 0;
+    int zero = 0;
+    u64 *f = flags.lookup(&zero);
+    if (!f)
+        return 0;
+    u64 v = *f;
+    ring.ringbuf_output(&v, sizeof(v), v);
+    return 0;
+}
+"""
+NO_WAKEUP, FORCE_WAKEUP = 1, 2
+
+
+@pytest.fixture
+def kernel_ring(require_root):
+    import ctypes
+    import os
+
+    from bcc import BPF
+
+    bpf = BPF(text=WAKE_PROGRAM.encode(), cflags=[f"-DTGID={os.getpid()}"])
+    reader = ring.RingReader(bpf[b"ring"].map_fd, PAGE)
+
+    def submit(flags: int, n: int = 1) -> None:
+        bpf[b"flags"][ctypes.c_int(0)] = ctypes.c_uint64(flags)
+        for _ in range(n):
+            os.getppid()
+
+    try:
+        yield reader, submit
+    finally:
+        reader.close()
+        bpf.cleanup()
+
+
+@pytest.mark.privileged
+def test_only_the_kernels_wake_up_ends_a_wait(kernel_ring):
+    """After a forced wake-up has been read, records submitted without one are taken when the
+    wait runs out, not at once: a level-triggered epoll would report the fd ready again for as
+    long as the ring held anything, and the reader would spin on tiny batches."""
+    reader, submit = kernel_ring
+    submit(FORCE_WAKEUP)
+    assert reader.poll(10_000) == [struct.pack("<Q", FORCE_WAKEUP)]
+    assert reader.last_wait == "woken"
+    submit(NO_WAKEUP, 3)
+    assert reader.poll(50) == [struct.pack("<Q", NO_WAKEUP)] * 3
+    assert reader.last_wait == "timeout"
+    submit(FORCE_WAKEUP)  # a wake-up that came while no one waited is not lost
+    assert reader.poll(10_000) == [struct.pack("<Q", FORCE_WAKEUP)]
+    assert reader.last_wait == "woken"
+
+
+@pytest.mark.privileged
+def test_records_left_behind_are_taken_without_waiting(kernel_ring):
+    reader, submit = kernel_ring
+    submit(NO_WAKEUP, 5)
+    assert len(reader.poll(0, max_records=2)) == 2
+    assert reader.poll(60_000) == [struct.pack("<Q", NO_WAKEUP)] * 3
+    assert reader.last_wait == "none"

@@ -46,22 +46,35 @@ class RingReader:
         except Exception:
             self._cons.close()
             raise
+        # Edge-triggered: epoll reports the kernel's wake-ups only. Level-triggered, the fd
+        # stays ready after one wake-up for as long as each wait finds a record in the ring,
+        # which at a few thousand records a second is every wait: the reader then spins on
+        # batches of a few records, each paying the wake-up and cold caches, and the kernel's
+        # BPF_RB_NO_WAKEUP buys nothing.
         self._epoll = select.epoll()
-        self._epoll.register(map_fd, select.EPOLLIN)
+        self._epoll.register(map_fd, select.EPOLLIN | select.EPOLLET)
+        self._more = False  # the last consume stopped at max_records: records are waiting
+        # how the last poll() ended its wait: "woken" (the kernel's wake-up), "timeout", or
+        # "none" (no wait: timeout 0, or records were left behind)
+        self.last_wait = "none"
 
     def poll(self, timeout_ms: int, max_records: int = MAX_BATCH) -> list[bytes]:
         """Wait up to timeout_ms (0: not at all) for the kernel's wake-up, then take the
         committed records, at most max_records. The kernel wakes the reader only when half the
         ring could be full (bpf/http_conn.h emit()), so the wait usually runs out: the records
-        are taken anyway. Records left behind make the next wait return at once (epoll is
-        level-triggered on a ring with data)."""
-        if timeout_ms:
-            self._epoll.poll(timeout_ms / 1000)
+        are taken anyway. When the last call left records behind, this one does not wait (with
+        edge-triggered epoll, records already there wake no one)."""
+        if timeout_ms and not self._more:
+            self.last_wait = "woken" if self._epoll.poll(timeout_ms / 1000) else "timeout"
+        else:
+            self.last_wait = "none"
         return self.consume(max_records)
 
     def consume(self, max_records: int = MAX_BATCH) -> list[bytes]:
         assert _consume is not None
-        return _consume(self._cons, self._prod, self._page, self._mask, max_records)
+        batch = _consume(self._cons, self._prod, self._page, self._mask, max_records)
+        self._more = len(batch) >= max_records
+        return batch
 
     def backlog(self) -> float:
         """The share of the ring written and not yet consumed, now (an estimate: the two
