@@ -18,7 +18,7 @@ from tracejoin.exporters.base import InMemoryExporter
 from tracejoin.exporters.queue import BatchExportQueue
 from tracejoin.kernel.probes import ProbeError, ProbeStatus
 from tracejoin.pipeline.spans import SpanOptions
-from tracejoin.pipeline.stages import GpuHold, Pipeline
+from tracejoin.pipeline.stages import IDLE_POLL_MS, POLL_MS, GpuHold, Pipeline
 
 SIGNALS = {"recvq": "on", "tcp_stats": "on", "sched": "on", "page_faults": "on"}
 
@@ -41,6 +41,7 @@ class FakeSource:
         self.detached = False
         self.fail_start = fail_start
         self.lost_after_detach = 0
+        self.waits: list[int] = []  # each poll's timeout, in order
 
     def push(self, data: bytes) -> None:
         with self._lock:
@@ -55,6 +56,7 @@ class FakeSource:
             raise ProbeError("required tracepoint(s) missing: sock:sock_recv_length")
 
     def poll(self, timeout_ms: int) -> list[bytes]:
+        self.waits.append(timeout_ms)
         with self._lock:
             batch, self._queue = self._queue, []
         if not batch and timeout_ms:
@@ -127,6 +129,24 @@ def test_records_flow_one_way_to_the_destination():
     assert metrics.get("decode_errors", reason="unknown_type") == 1
     assert metrics.get("records_dropped_userspace", reason="undecodable") == 1
     assert metrics.get("spans_built") == len(memory.spans)
+
+
+def test_an_idle_reader_waits_longer_and_records_bring_it_back():
+    """Each empty wait doubles the next, up to IDLE_POLL_MS; a batch with records resets it."""
+    source = FakeSource()
+    pipe, memory, _ = pipeline_over(source)
+    pipe.start()
+    deadline = time.monotonic() + 10
+    while source.waits.count(IDLE_POLL_MS) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert source.waits[:4] == [POLL_MS, 2 * POLL_MS, IDLE_POLL_MS, IDLE_POLL_MS]
+    seen = len(source.waits)
+    source.push(traced(0)[0])
+    while not memory.spans or POLL_MS not in source.waits[seen:]:
+        assert time.monotonic() < deadline, source.waits[seen:]
+        time.sleep(0.01)
+    pipe.shutdown(2.0)
 
 
 def test_shutdown_detaches_before_it_drains_and_loses_nothing_queued():
