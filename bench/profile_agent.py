@@ -167,6 +167,7 @@ def run_once(
         t0 = {w.name: thread_cpu(w.tid) for w in (reader, exporter)}
         all0 = threads_cpu()
         r0 = metrics.total("records_received")
+        b0 = metrics.total("record_batches")
         poll0 = poll_cpu[0]
         spans0 = metrics.total("spans_built")
         kept0 = kernel().get("unsampled_aggregated", 0)
@@ -183,6 +184,7 @@ def run_once(
             time.sleep(0.1)
         time.sleep(0.6)  # the file destination flushes every 0.5 s
         records = metrics.total("records_received") - r0
+        batches = metrics.total("record_batches") - b0
         t1 = {w.name: thread_cpu(w.tid) for w in (reader, exporter)}
         all1 = threads_cpu()
         proc1 = sum(m.cpu_seconds(os.getpid()))
@@ -202,6 +204,7 @@ def run_once(
     }
     return {
         "records": int(records),
+        "batches": int(batches),
         "requests": want,
         "ringbuf_full": counters.get("ringbuf_full", 0),
         "us_per_record": per,
@@ -307,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"unprofiled: {plain['records']:,} records for {plain['requests']:,} requests "
             f"({plain['kept_in_kernel']:,} kept in the kernel, ringbuf_full "
-            f"{plain['ringbuf_full']}; {plain['spans_per_record']:.2f} spans per record); "
+            f"{plain['ringbuf_full']}; {plain['spans_per_record']:.2f} spans per record; "
+            f"{plain['batches']:,} batches, {plain['records'] / max(1, plain['batches']):.0f} "
+            "records each); "
             "CPU µs per record: "
             + (
                 ", ".join(

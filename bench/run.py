@@ -552,7 +552,7 @@ def targets(res: dict[str, Any]) -> list[Target]:
             Target(
                 "unrelated read()/write(): tracejoin − empty programs",
                 "<= 50 ns",
-                " / ".join(f"+{x:.0f} ns" for x in over),
+                " / ".join(f"{x:+.0f} ns" for x in over),
                 max(over) <= 50,
             )
         )
@@ -728,7 +728,7 @@ def format_report(res: dict[str, Any]) -> str:
         if "empty" in v:
             L.append(
                 f"     {label:<52} {v['off']:>6.0f} {v['empty']:>6.0f} {v['on']:>6.0f}  "
-                f"+{v['over_empty_ns']:.0f} ns "
+                f"{v['over_empty_ns']:+.0f} ns "
                 f"[{v['over_empty_span'][0]:+.0f}..{v['over_empty_span'][1]:+.0f}]"
             )
         else:
