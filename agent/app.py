@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,7 @@ def probe_config(s: Settings, *, http2_after_ready: bool = False) -> ProbeConfig
         pids=s.pid,
         ports=s.port,
         comm=s.comm,
+        otlp_ports=s.otlp_ports if s.instrumented == "auto" else (),
         runq_threshold_ns=int(s.runq_threshold_ms * 1e6),
         disabled_tracepoints=frozenset(s.disable_tracepoint),
         tlb_hardware={"auto": None, "hardware": True, "flush": False}[s.tlb],
@@ -407,6 +409,13 @@ def build_agent(
     except ValueError as exc:
         raise ConfigError(f"--instrumented-services: {exc}") from exc
 
+    if source is None:
+        source = HttpProbes(probe_config(s, http2_after_ready=http2_after_ready), metrics)
+    # the kernel counts connections to an OTLP port: the inspector's cue to look again
+    otlp_connects: Callable[[], int | None] | None = (
+        partial(source.kernel_counter, "otlp_connects") if isinstance(source, HttpProbes) else None
+    )
+
     def make_resources(static: dict[str, AttrValue]) -> ResourceResolver:
         # built once the probes say what the static attributes are (the TLB mode)
         return ResourceResolver(
@@ -420,13 +429,12 @@ def build_agent(
                 read_environ=s.read_environ,
                 check_otlp=s.instrumented == "auto",
                 otlp_ports=s.otlp_ports,
+                otlp_connects=otlp_connects,
             ),
             instrumented=s.instrumented,
             instrumented_services=instrumented_services,
         )
 
-    if source is None:
-        source = HttpProbes(probe_config(s, http2_after_ready=http2_after_ready), metrics)
     return Agent(
         s,
         metrics,

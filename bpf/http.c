@@ -268,6 +268,7 @@ BPF_ARRAY(policy, struct policy, 1);
 BPF_TABLE("lru_percpu_hash", struct agg_key, struct agg_val, shed, AGG_ENTRIES);
 BPF_HASH(filter_pid, u32, u8, 1024);
 BPF_HASH(filter_port, u16, u8, 1024);
+BPF_HASH(otlp_ports, u16, u8, 64);  /* --otlp-ports: connections to them are counted (inspector) */
 struct comm_t {
     char c[16];
 };

@@ -336,6 +336,10 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 #endif
         } else {
             c.flags |= CONN_IGNORED;   /* a connection this host opened: a client, not served */
+            u16 rport = args->dport;
+            if (otlp_ports.lookup(&rport))  /* an exporter reaching a collector: the inspector
+                                             * reads TCP tables again only after one */
+                count(CNT_OTLP_CONNECTS);
         }
         conns.update(&sk, &c);
         return 0;

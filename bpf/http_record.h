@@ -301,6 +301,8 @@ struct policy {
 #define CNT_CUDA_NESTED         47 /* probed calls beneath another (runtime over driver): not
                                     * counted again */
 #define CNT_CUDA_ACC_LOST       48 /* CUDA sums of a work set that could not be created */
+#define CNT_OTLP_CONNECTS       49 /* TCP connections this host opened to a port in otlp_ports:
+                                    * when the inspector looks at TCP tables again */
 #define CNT_MAX                  64 /* size of the map: indices in use are below it */
 
 #endif

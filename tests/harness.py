@@ -106,11 +106,13 @@ class Agent:
                     max_queue_spans=200_000,
                 )
             )
-        cfg = probe_config or ProbeConfig(ports=tuple(ports))
-        self.source = HttpProbes(cfg, self.metrics)
-        self.app = build_agent(
-            settings or Settings(gpu=False), self.metrics, dests, source=self.source
+        settings = settings or Settings(gpu=False)
+        cfg = probe_config or ProbeConfig(
+            ports=tuple(ports),
+            otlp_ports=settings.otlp_ports if settings.instrumented == "auto" else (),
         )
+        self.source = HttpProbes(cfg, self.metrics)
+        self.app = build_agent(settings, self.metrics, dests, source=self.source)
 
     @property
     def pipeline(self) -> Pipeline:

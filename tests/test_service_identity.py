@@ -506,6 +506,50 @@ def test_the_otlp_check_is_skipped_with_a_context_and_sticky_once_seen(tmp_path:
     assert got is not None and not got.otlp_connected
 
 
+def test_tcp_tables_are_read_again_only_after_a_connection_to_an_otlp_port(
+    tmp_path: Path,
+) -> None:
+    """With the kernel's count of connections to an OTLP port, a namespace's TCP table (a walk
+    of the kernel's whole established hash) is read once and again only after the count moves;
+    an SDK that connects late is then found at the next refresh. Without the count, every
+    refresh, as before."""
+    now, connects = [0.0], [3]
+    m = Metrics()
+    proc = fake_proc(tmp_path / "counted")
+    inspector = ProcessInspector(
+        m, proc=proc, clock=lambda: now[0], refresh_s=10, otlp_connects=lambda: connects[0]
+    )
+    key = (SERVER_PID, START)
+    first = inspector.get(key)
+    assert first is not None and not first.otlp_connected
+    assert m.get("otlp_tables_read") == 1
+    shutil.rmtree(tmp_path / "counted" / str(SERVER_PID))
+    fake_proc(tmp_path / "counted", otlp_port=4318)  # the SDK connected: the kernel counts it
+    for t in (11.0, 22.0, 33.0):  # not counted yet (the count lags): the table is not read
+        now[0] = t
+        got = inspector.get(key)
+        assert got is not None and not got.otlp_connected and got.read_at == t
+    assert m.get("otlp_tables_read") == 1
+    connects[0] = 4
+    now[0] = 44.0
+    got = inspector.get(key)
+    assert got is not None and got.otlp_connected
+    assert m.get("otlp_tables_read") == 2
+
+    m = Metrics()  # no count (another record source, or not loaded): every refresh
+    now[0] = 0.0
+    proc = fake_proc(tmp_path / "uncounted")
+    inspector = ProcessInspector(
+        m, proc=proc, clock=lambda: now[0], refresh_s=10, otlp_connects=lambda: None
+    )
+    assert not inspector.get(key).otlp_connected  # type: ignore[union-attr]
+    shutil.rmtree(tmp_path / "uncounted" / str(SERVER_PID))
+    fake_proc(tmp_path / "uncounted", otlp_port=4318)
+    now[0] = 11.0
+    assert inspector.get(key).otlp_connected  # type: ignore[union-attr]
+    assert m.get("otlp_tables_read") == 2
+
+
 def test_perfetto_draws_the_kernel_span_as_the_request() -> None:
     from tracejoin.core.model import Resource
     from tracejoin.exporters.perfetto import TraceEventEncoder

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import http.client
 import secrets
+import socket
 import subprocess
 import sys
 import time
@@ -181,3 +182,17 @@ def test_uninstrumented_server_keeps_the_server_span(id_agent: Agent, jaeger: Ja
             assert span_service(trace, ours) == comm
             assert tags["tracejoin.service_name.source"] == "process_name"
             assert "tracejoin.instrumented.source" not in tags
+
+
+def test_the_kernel_counts_connections_to_an_otlp_port(id_agent: Agent, jaeger: Jaeger) -> None:
+    """The inspector's cue to read TCP tables again: a connection this host opens to an OTLP
+    port counts once (the accepting side does not), one to another port not at all."""
+    assert jaeger.ports is not None
+    probes = id_agent.app.source
+    count = getattr(probes, "kernel_counter")  # noqa: B009 - HttpProbes, not the protocol
+    before = count("otlp_connects")
+    with socket.create_connection(("127.0.0.1", jaeger.ports.otlp_http), timeout=5):
+        pass
+    with socket.create_connection(("127.0.0.1", jaeger.ports.query_http), timeout=5):
+        pass
+    assert count("otlp_connects") - before == 1

@@ -326,6 +326,11 @@ METRICS: tuple[Metric, ...] = (
         "1 s before): its first spans use the sources known without it.",
     ),
     counter("process_inspection_errors", "Process inspections that raised (they go on)."),
+    counter(
+        "otlp_tables_read",
+        "Network namespaces' TCP tables read to find connections to an OTLP port (once per "
+        "namespace, then after the kernel counted a new one: kernel_otlp_connects).",
+    ),
     counter("kubelet_refreshes", "Pod lists read from the kubelet."),
     counter(
         "kubelet_errors",

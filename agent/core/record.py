@@ -140,6 +140,7 @@ CNT_H2_NOT_LOADED = 45
 CNT_CUDA_UNATTRIBUTED = 46
 CNT_CUDA_NESTED = 47
 CNT_CUDA_ACC_LOST = 48
+CNT_OTLP_CONNECTS = 49
 CNT_MAX = 64
 
 # CNT_FOO is exported as `kernel_foo`: index -> name, and each name's help text.
@@ -184,6 +185,7 @@ KERNEL_COUNTERS: dict[int, str] = {
     CNT_CUDA_UNATTRIBUTED: "cuda_unattributed",
     CNT_CUDA_NESTED: "cuda_nested",
     CNT_CUDA_ACC_LOST: "cuda_acc_lost",
+    CNT_OTLP_CONNECTS: "otlp_connects",
 }
 KERNEL_COUNTER_HELP: dict[str, str] = {
     "records_submitted": "Records the kernel tried to emit (one per request)",
@@ -254,6 +256,8 @@ KERNEL_COUNTER_HELP: dict[str, str] = {
     "cuda_nested": "Probed CUDA calls made beneath another probed call (a runtime call's "
     "driver call): counted once, by the outer call",
     "cuda_acc_lost": "CUDA calls not added to a request: its CUDA sums could not be created",
+    "otlp_connects": "TCP connections opened on this host to an OTLP port (--otlp-ports): after "
+    "one, the inspector reads network namespaces' TCP tables again (instrumented services)",
 }
 
 # the overload budget's in-kernel sampling and the per-endpoint aggregates of what it shed

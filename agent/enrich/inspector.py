@@ -12,10 +12,15 @@ its /proc is that slow). Inspections are repeated every `refresh_s` while the pr
 asked about: an SDK can publish, or connect to its collector, after the process started.
 
 OTLP connection: an established TCP connection from the process to a port in `otlp_ports`
-(4317, 4318 by default). Read from /proc/<pid>/net/tcp{,6}, once per network namespace per
-refresh, and only where that namespace has such a connection, from the process's
-/proc/<pid>/fd. It is a heuristic: an SDK connects at its first export (a few seconds after
-its first span), and a process may talk to a collector for other reasons (a proxy).
+(4317, 4318 by default). Read from /proc/<pid>/net/tcp{,6}, and only where that namespace has
+such a connection, from the process's /proc/<pid>/fd. Reading a namespace's TCP table walks
+the kernel's whole established hash (5 ms per table on a 24 GiB host, more on larger ones,
+whatever the namespace holds), so it is read once, then again only after the kernel counted
+a connection to an OTLP port anywhere on the host (`otlp_connects`, the probes'
+inet_sock_set_state; an SDK connects at its first export, a few seconds after its first span):
+on a node whose services never connect, once per namespace. Without that count (another
+record source), every refresh. It is a heuristic: a process may talk to a collector for other
+reasons (a proxy).
 """
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ class ProcessInspector:
         max_entries: int = MAX_ENTRIES,
         clock: Callable[[], float] = time.monotonic,
         proc: str = "/proc",
+        otlp_connects: Callable[[], int | None] | None = None,
     ) -> None:
         self.metrics = metrics
         self.read_environ = read_environ
@@ -99,8 +105,11 @@ class ProcessInspector:
         self._queue: deque[Key] = deque()
         self._thread: threading.Thread | None = None
         self._stop = False
-        # network namespace -> (inodes of its connections to an OTLP port, when read)
-        self._netns: dict[str, tuple[frozenset[int], float]] = {}
+        # the kernel's count of connections to an OTLP port (None: not counted, or not now)
+        self._otlp_connects = otlp_connects
+        # network namespace -> (inodes of its connections to an OTLP port, when read, the
+        # count of connections to an OTLP port just before)
+        self._netns: dict[str, tuple[frozenset[int], float, int | None]] = {}
         self._waited_at = -WAIT_INTERVAL_S  # clock() of the last first-lookup wait
         self.generation = 0  # bumped whenever an inspection's result changes
 
@@ -230,12 +239,19 @@ class ProcessInspector:
             self._reads.failed("otlp_connection", f"{self._proc}/{pid}/ns/net", exc)
             return False
         cached = self._netns.get(netns)
-        if cached is None or now - cached[1] >= self.refresh_s:
+        # read before the table: a connection counted after it is read again next time
+        connects = self._otlp_connects() if self._otlp_connects is not None else None
+        if cached is None or (
+            cached[2] != connects
+            if connects is not None and cached[2] is not None
+            else now - cached[1] >= self.refresh_s
+        ):
             try:
                 inodes = self._otlp_inodes(pid)
             except OSError:
                 return False  # gone meanwhile
-            cached = self._netns[netns] = (inodes, now)
+            self.metrics.inc("otlp_tables_read")
+            cached = self._netns[netns] = (inodes, now, connects)
             if len(self._netns) > self._max_entries:
                 self._netns.pop(next(iter(self._netns)))
         if not cached[0]:

@@ -217,6 +217,9 @@ class ProbeConfig:
     pids: tuple[int, ...] = ()
     ports: tuple[int, ...] = ()
     comm: str | None = None
+    # OTLP receivers' ports: connections to them are counted (kernel otlp_connects), so the
+    # inspector reads TCP tables again only after one (agent/enrich/inspector.py)
+    otlp_ports: tuple[int, ...] = ()
     runq_threshold_ns: int = 1_000_000
     # Tracepoints to treat as absent (tests; or to switch a costly signal off).
     disabled_tracepoints: frozenset[str] = frozenset()
@@ -515,6 +518,8 @@ class HttpProbes:
             bpf[b"filter_pid"][ctypes.c_uint32(pid)] = one  # type: ignore[index]
         for port in cfg.ports:
             bpf[b"filter_port"][ctypes.c_uint16(port)] = one  # type: ignore[index]
+        for port in cfg.otlp_ports:
+            bpf[b"otlp_ports"][ctypes.c_uint16(port)] = one  # type: ignore[index]
         if cfg.comm:
             table = bpf[b"filter_comm"]  # type: ignore[index]
             leaf = table.Leaf()
@@ -620,6 +625,18 @@ class HttpProbes:
         finally:
             self._detaching = False
         self.cuda = None  # no rescans (they would attach again)
+
+    def kernel_counter(self, name: str) -> int | None:
+        """One kernel counter (KERNEL_COUNTERS), summed over CPUs; None while no programs are
+        loaded (other threads ask: the inspector)."""
+        bpf: Any = self._bpf
+        idx = next((i for i, n in KERNEL_COUNTERS.items() if n == name), None)
+        if bpf is None or idx is None:
+            return None
+        try:
+            return int(sum(bpf[b"counters"][ctypes.c_int(idx)]))
+        except Exception:  # unloaded meanwhile (shutdown)
+            return None
 
     def kernel_counters(self) -> dict[str, int]:
         """Per-CPU kernel counters summed (CNT_* in bpf/http_record.h)."""
