@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import errno
 import logging
 import os
 import re
@@ -291,6 +292,7 @@ class HttpProbes:
         self._bpf: object | None = None
         self._batch: list[bytes] = []
         self._ring: RingReader | None = None
+        self._counters_batch = True  # read `counters` in one BPF_MAP_LOOKUP_BATCH
         self.ring_bytes = RING_BYTES  # the records ring's size (the overload budget)
         self.cuda: CudaProbes | None = None
         self._h2_loader: threading.Thread | None = None
@@ -639,15 +641,20 @@ class HttpProbes:
             return None
 
     def kernel_counters(self) -> dict[str, int]:
-        """Per-CPU kernel counters summed (CNT_* in bpf/http_record.h)."""
+        """Per-CPU kernel counters summed (CNT_* in bpf/http_record.h). The whole array in one
+        BPF_MAP_LOOKUP_BATCH where the kernel has it for arrays (a syscall and a per-CPU
+        lookup per counter otherwise: ~0.4 ms of the agent's CPU a second, read once a
+        second)."""
         if self._bpf is None:
             return {}
         table = self._bpf[b"counters"]  # type: ignore[index]
-        out = {}
-        for idx, name in KERNEL_COUNTERS.items():
-            if idx < CNT_MAX:
-                out[name] = int(sum(table[ctypes.c_int(idx)]))
-        return out
+        values = _batch_values(table, CNT_MAX) if self._counters_batch else None
+        if values is None:
+            self._counters_batch = False  # not for arrays on this kernel: key by key from now
+            values = [table[ctypes.c_int(idx)] for idx in range(CNT_MAX)]
+        return {
+            name: int(sum(values[idx])) for idx, name in KERNEL_COUNTERS.items() if idx < CNT_MAX
+        }
 
     def map_sizes(self) -> dict[str, int]:
         """Live entries in the per-connection maps (for bound checks)."""
@@ -721,6 +728,25 @@ def _workset_knobs(knobs: dict[str, int | None], disabled: frozenset[str]) -> st
     if all(tracepoint_exists(tp, disabled) for tp in IRQ_VECTOR_TRACEPOINTS):
         knobs["WITH_IRQ_VECTORS"] = None
     return None
+
+
+def _batch_values(table: Any, n: int) -> list[Any] | None:
+    """Values of keys 0..n-1 of a BCC array table (per-CPU values as BCC's leaf arrays) in one
+    BPF_MAP_LOOKUP_BATCH; None where the kernel refuses it for this map."""
+    from bcc.libbcc import lib
+
+    keys = (ctypes.c_uint32 * n)()
+    values = (table.Leaf * n)()
+    count, out_batch = ctypes.c_uint32(n), ctypes.c_uint32(0)
+    res = lib.bpf_lookup_batch(
+        table.map_fd, None, ctypes.byref(out_batch), keys, values, ctypes.byref(count)
+    )
+    # ENOENT: the end of the map was reached, i.e. all of it was read
+    if (res != 0 and ctypes.get_errno() != errno.ENOENT) or count.value != n:
+        return None
+    if list(keys) != list(range(n)):
+        return None
+    return list(values)
 
 
 def wake_every(ncpus: int) -> int:
