@@ -149,7 +149,9 @@ def kernel_ring(require_root):
     from bcc import BPF
 
     bpf = BPF(text=WAKE_PROGRAM.encode(), cflags=[f"-DTGID={os.getpid()}"])
-    reader = ring.RingReader(bpf[b"ring"].map_fd, PAGE)
+    map_fd = bpf[b"ring"].map_fd
+    reader = ring.RingReader(map_fd, PAGE)
+    reader.map_fd = map_fd  # type: ignore[attr-defined]
 
     def submit(flags: int, n: int = 1) -> None:
         bpf[b"flags"][ctypes.c_int(0)] = ctypes.c_uint64(flags)
@@ -187,3 +189,20 @@ def test_records_left_behind_are_taken_without_waiting(kernel_ring):
     assert len(reader.poll(0, max_records=2)) == 2
     assert reader.poll(60_000) == [struct.pack("<Q", NO_WAKEUP)] * 3
     assert reader.last_wait == "none"
+
+
+@pytest.mark.privileged
+def test_bccs_reader_waits_on_the_same_wake_ups(kernel_ring):
+    """BCC's reader (no compiler) consumes through libbpf but waits on RingWakeups: records
+    already in the ring, and more without a wake-up, do not end its wait; a wake-up does."""
+    reader, submit = kernel_ring
+    wakeups = ring.RingWakeups(reader.map_fd)
+    try:
+        submit(FORCE_WAKEUP)
+        assert wakeups.wait(10_000) == "woken"
+        submit(NO_WAKEUP, 3)  # nothing consumed: four records wait in the ring
+        assert wakeups.wait(50) == "timeout"
+        submit(FORCE_WAKEUP)
+        assert wakeups.wait(10_000) == "woken"
+    finally:
+        wakeups.close()

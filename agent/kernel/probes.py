@@ -47,7 +47,7 @@ from tracejoin.kernel import ring
 from tracejoin.kernel.btf import BtfError, member_offsets
 from tracejoin.kernel.cuda import CudaProbes, load_apis
 from tracejoin.kernel.perf import perf_event_open_check
-from tracejoin.kernel.ring import RingReader
+from tracejoin.kernel.ring import RingReader, RingWakeups
 
 log = logging.getLogger(__name__)
 
@@ -292,6 +292,7 @@ class HttpProbes:
         self._bpf: object | None = None
         self._batch: list[bytes] = []
         self._ring: RingReader | None = None
+        self._wakeups: RingWakeups | None = None  # BCC's reader: our edge-triggered wait
         self._counters_batch = True  # read `counters` in one BPF_MAP_LOOKUP_BATCH
         self.ring_bytes = RING_BYTES  # the records ring's size (the overload budget)
         self.cuda: CudaProbes | None = None
@@ -449,6 +450,7 @@ class HttpProbes:
             self._ring = RingReader(events.map_fd, self.ring_bytes)
         else:
             events.open_ring_buffer(self._on_record)
+            self._wakeups = RingWakeups(events.map_fd)
         if "WITH_CUDA" in knobs:
             apis = load_apis(bpf_source_dir() / "cuda.h")
             self.cuda = CudaProbes(bpf, apis, self.metrics, launches=self.config.cuda_launches)
@@ -547,8 +549,8 @@ class HttpProbes:
             batch = self._ring.poll(timeout_ms, READ_SLICE)
         else:
             bpf: Any = self._bpf
-            if timeout_ms:
-                bpf.ring_buffer_poll(timeout_ms)
+            if timeout_ms and self._wakeups is not None:
+                self._wakeups.wait(timeout_ms)  # not ring_buffer_poll: level-triggered
             bpf.ring_buffer_consume()
             batch, self._batch = self._batch, []
         if self.cuda is not None:
@@ -672,6 +674,9 @@ class HttpProbes:
         if self._ring is not None:
             self._ring.close()
             self._ring = None
+        if self._wakeups is not None:
+            self._wakeups.close()
+            self._wakeups = None
         busy = "HTTP/2 programs still loading" if self.loading else ""
         busy = busy or ("probes still detaching" if self._detaching else "")
         if bpf is not None and busy:

@@ -27,6 +27,27 @@ MAX_BATCH = 65_536
 _POS = struct.Struct("<Q")  # consumer_pos, producer_pos: each the first word of its page
 
 
+class RingWakeups:
+    """Waits for a ring's wake-ups, by the map's fd. Edge-triggered: epoll reports the
+    kernel's wake-ups only. Level-triggered, the fd stays ready after one wake-up for as long as
+    each wait finds a record in the ring, which at a few thousand records a second is every
+    wait: the reader then spins on batches of a few records, each paying the wake-up and cold
+    caches, and the kernel's BPF_RB_NO_WAKEUP buys nothing. A wake-up that comes while no one
+    waits ends the next wait at once. (Both readers use it: RingReader, and BCC's, whose own
+    poll is libbpf's level-triggered one.)"""
+
+    def __init__(self, map_fd: int) -> None:
+        self._epoll = select.epoll()
+        self._epoll.register(map_fd, select.EPOLLIN | select.EPOLLET)
+
+    def wait(self, timeout_ms: int) -> str:
+        """Up to timeout_ms: "woken" (the kernel's wake-up) or "timeout"."""
+        return "woken" if self._epoll.poll(timeout_ms / 1000) else "timeout"
+
+    def close(self) -> None:
+        self._epoll.close()
+
+
 class RingReader:
     """A BPF_MAP_TYPE_RINGBUF map's consumer, by its fd and size (max_entries, a power of two
     pages). close() unmaps; the map itself belongs to whoever loaded it."""
@@ -46,13 +67,7 @@ class RingReader:
         except Exception:
             self._cons.close()
             raise
-        # Edge-triggered: epoll reports the kernel's wake-ups only. Level-triggered, the fd
-        # stays ready after one wake-up for as long as each wait finds a record in the ring,
-        # which at a few thousand records a second is every wait: the reader then spins on
-        # batches of a few records, each paying the wake-up and cold caches, and the kernel's
-        # BPF_RB_NO_WAKEUP buys nothing.
-        self._epoll = select.epoll()
-        self._epoll.register(map_fd, select.EPOLLIN | select.EPOLLET)
+        self._wakeups = RingWakeups(map_fd)
         self._more = False  # the last consume stopped at max_records: records are waiting
         # how the last poll() ended its wait: "woken" (the kernel's wake-up), "timeout", or
         # "none" (no wait: timeout 0, or records were left behind)
@@ -65,7 +80,7 @@ class RingReader:
         are taken anyway. When the last call left records behind, this one does not wait (with
         edge-triggered epoll, records already there wake no one)."""
         if timeout_ms and not self._more:
-            self.last_wait = "woken" if self._epoll.poll(timeout_ms / 1000) else "timeout"
+            self.last_wait = self._wakeups.wait(timeout_ms)
         else:
             self.last_wait = "none"
         return self.consume(max_records)
@@ -84,6 +99,6 @@ class RingReader:
         return max(0, prod - cons) / (self._mask + 1)
 
     def close(self) -> None:
-        self._epoll.close()
+        self._wakeups.close()
         self._prod.close()
         self._cons.close()
