@@ -452,7 +452,7 @@ static PyObject *server_span(PyObject *self, PyObject *const *args, Py_ssize_t n
         goto out;
     }
     int h2 = !!(r->h2_flags & H2F_STREAM);
-    int grpc = h2 && r->grpc_status; /* spans.h2_call: grpc-status + 1, 0 when none was seen */
+    int grpc = h2 && r->grpc_status; /* spans.grpc_status_code: grpc-status + 1, 0: none */
     unsigned grpc_code = grpc ? (unsigned)r->grpc_status - 1 : 0;
     if (request_prefix(r, grpc, prefixes, make, prefix) < 0)
         goto out;

@@ -80,6 +80,7 @@ from tracejoin.pipeline.spans import (
     _tracked,
     child_spans,
     grpc_call,
+    grpc_status_code,
     http_span_name,
     needs_children,
     server_status,
@@ -284,7 +285,7 @@ def _encode_py(e: EnrichedRecord, opts: SpanOptions, span_id: int) -> bytes:
     flags = rec.flags
     h2_flags = rec.h2_flags
     h2 = h2_flags & H2F_STREAM
-    grpc_code = rec.grpc_status - 1 if h2 and rec.grpc_status else None  # h2_call's rule
+    grpc_code = grpc_status_code(rec) if h2 else None
     pre, method_original, rpc = _request_prefix(
         rec.method_bytes(), rec.path_bytes(), grpc_code is not None, bool(e.instrumented)
     )
@@ -414,7 +415,7 @@ def _request_prefix(
     method_raw: bytes, path_raw: bytes, grpc: bool, instrumented: bool
 ) -> tuple[bytes, bytes, bytes]:
     """For both writers, per request line (and whether an HTTP/2 stream carried a grpc-status,
-    h2_call's rule): the fields from the span's name to network.* (name, kind, method, url.path,
+    grpc_status_code): the fields from the span's name to network.* (name, kind, method, url.path,
     network.*); the http.request.method_original field (or b""); rpc.service and rpc.method
     when the stream is a gRPC call (or b"")."""
     method, method_original = http_method(method_raw)

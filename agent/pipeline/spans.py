@@ -105,10 +105,16 @@ def grpc_call(path: str) -> tuple[str, str] | None:
     return parts[1], parts[2]
 
 
+def grpc_status_code(rec: HttpRecord) -> int | None:
+    """An HTTP/2 stream's gRPC status code, when its trailers carried grpc-status (the kernel
+    stores it + 1, 0 when none was seen)."""
+    return rec.grpc_status - 1 if rec.grpc_status else None
+
+
 def h2_call(rec: HttpRecord, path: str) -> tuple[int | None, tuple[str, str] | None]:
-    """An HTTP/2 stream's gRPC status code (when its trailers carried grpc-status) and, then,
-    its (rpc.service, rpc.method) when the path is a gRPC one."""
-    grpc_code = rec.grpc_status - 1 if rec.grpc_status else None
+    """An HTTP/2 stream's gRPC status code (grpc_status_code) and, then, its (rpc.service,
+    rpc.method) when the path is a gRPC one."""
+    grpc_code = grpc_status_code(rec)
     return grpc_code, grpc_call(path) if grpc_code is not None else None
 
 
