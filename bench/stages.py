@@ -127,7 +127,7 @@ def run(n: int = 20_000) -> dict[str, Any]:
     assert h2 is not None
 
     def on_writers(er: EnrichedRecord, rows: tuple[tuple[str, str], ...]) -> dict[str, float]:
-        """encode_spans of `er` on each (label, writer): what each compiled piece buys. None
+        """encode_spans of `er` on each (label, writer): what each compiled piece buys. No rows
         where the compiled module was not built (the other writers need it)."""
         if not span_bytes.COMPILED:
             return {}

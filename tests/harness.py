@@ -17,9 +17,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from tracejoin.app import build_agent
+from tracejoin.app import probe_config as settings_probe_config
 from tracejoin.config import Settings
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import KIND_SERVER, Span
@@ -107,10 +109,8 @@ class Agent:
                 )
             )
         settings = settings or Settings(gpu=False)
-        cfg = probe_config or ProbeConfig(
-            ports=tuple(ports),
-            otlp_ports=settings.otlp_ports if settings.instrumented == "auto" else (),
-        )
+        # as tracejoin run configures its probes, on these ports
+        cfg = probe_config or settings_probe_config(replace(settings, port=tuple(ports)))
         self.source = HttpProbes(cfg, self.metrics)
         self.app = build_agent(settings, self.metrics, dests, source=self.source)
 

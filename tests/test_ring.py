@@ -151,7 +151,6 @@ def kernel_ring(require_root):
     bpf = BPF(text=WAKE_PROGRAM.encode(), cflags=[f"-DTGID={os.getpid()}"])
     map_fd = bpf[b"ring"].map_fd
     reader = ring.RingReader(map_fd, PAGE)
-    reader.map_fd = map_fd  # type: ignore[attr-defined]
 
     def submit(flags: int, n: int = 1) -> None:
         bpf[b"flags"][ctypes.c_int(0)] = ctypes.c_uint64(flags)
@@ -159,7 +158,7 @@ def kernel_ring(require_root):
             os.getppid()
 
     try:
-        yield reader, submit
+        yield reader, submit, map_fd
     finally:
         reader.close()
         bpf.cleanup()
@@ -170,7 +169,7 @@ def test_only_the_kernels_wake_up_ends_a_wait(kernel_ring):
     """After a forced wake-up has been read, records submitted without one are taken when the
     wait runs out, not at once: a level-triggered epoll would report the fd ready again for as
     long as the ring held anything, and the reader would spin on tiny batches."""
-    reader, submit = kernel_ring
+    reader, submit, _ = kernel_ring
     submit(FORCE_WAKEUP)
     assert reader.poll(10_000) == [struct.pack("<Q", FORCE_WAKEUP)]
     assert reader.last_wait == "woken"
@@ -184,7 +183,7 @@ def test_only_the_kernels_wake_up_ends_a_wait(kernel_ring):
 
 @pytest.mark.privileged
 def test_records_left_behind_are_taken_without_waiting(kernel_ring):
-    reader, submit = kernel_ring
+    reader, submit, _ = kernel_ring
     submit(NO_WAKEUP, 5)
     assert len(reader.poll(0, max_records=2)) == 2
     assert reader.poll(60_000) == [struct.pack("<Q", NO_WAKEUP)] * 3
@@ -195,8 +194,8 @@ def test_records_left_behind_are_taken_without_waiting(kernel_ring):
 def test_bccs_reader_waits_on_the_same_wake_ups(kernel_ring):
     """BCC's reader (no compiler) consumes through libbpf but waits on RingWakeups: records
     already in the ring, and more without a wake-up, do not end its wait; a wake-up does."""
-    reader, submit = kernel_ring
-    wakeups = ring.RingWakeups(reader.map_fd)
+    _, submit, map_fd = kernel_ring
+    wakeups = ring.RingWakeups(map_fd)
     try:
         submit(FORCE_WAKEUP)
         assert wakeups.wait(10_000) == "woken"

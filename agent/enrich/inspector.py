@@ -241,11 +241,7 @@ class ProcessInspector:
         cached = self._netns.get(netns)
         # read before the table: a connection counted after it is read again next time
         connects = self._otlp_connects() if self._otlp_connects is not None else None
-        if cached is None or (
-            cached[2] != connects
-            if connects is not None and cached[2] is not None
-            else now - cached[1] >= self.refresh_s
-        ):
+        if cached is None or self._tables_stale(cached, now, connects):
             try:
                 inodes = self._otlp_inodes(pid)
             except OSError:
@@ -257,6 +253,16 @@ class ProcessInspector:
         if not cached[0]:
             return False  # no connection to an OTLP port in its namespace: no fd walk
         return self._holds_one_of(pid, cached[0])
+
+    def _tables_stale(
+        self, cached: tuple[frozenset[int], float, int | None], now: float, connects: int | None
+    ) -> bool:
+        """A namespace's tables are read again once the kernel counted a connection to an
+        OTLP port since; without that count (then or now), once refresh_s has passed."""
+        _, read_at, connects_then = cached
+        if connects is None or connects_then is None:
+            return now - read_at >= self.refresh_s
+        return connects != connects_then
 
     def _otlp_inodes(self, pid: int) -> frozenset[int]:
         """Socket inodes of the established TCP connections to an OTLP port in pid's network

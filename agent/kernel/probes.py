@@ -631,14 +631,10 @@ class HttpProbes:
         self.cuda = None  # no rescans (they would attach again)
 
     def kernel_counter(self, name: str) -> int | None:
-        """One kernel counter (KERNEL_COUNTERS), summed over CPUs; None while no programs are
-        loaded (other threads ask: the inspector)."""
-        bpf: Any = self._bpf
-        idx = next((i for i, n in KERNEL_COUNTERS.items() if n == name), None)
-        if bpf is None or idx is None:
-            return None
+        """One kernel counter (KERNEL_COUNTERS), from kernel_counters; None while no programs
+        are loaded (other threads ask: the inspector)."""
         try:
-            return int(sum(bpf[b"counters"][ctypes.c_int(idx)]))
+            return self.kernel_counters().get(name)
         except Exception:  # unloaded meanwhile (shutdown)
             return None
 
