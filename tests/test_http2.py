@@ -19,6 +19,7 @@ import shutil
 import string
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -672,13 +673,18 @@ def test_huffman_path_query_never_leaves_the_kernel(
     port = h2agent.take_port()
     raw: list[bytes] = []
     poll = h2agent.source.poll
+    kept = threading.Event()
 
     def keep(timeout_ms: int = 100) -> list[bytes]:
+        kept.set()
         batch = poll(timeout_ms)
         raw.extend(batch)
         return batch
 
     monkeypatch.setattr(h2agent.source, "poll", keep)
+    # the reader's wait that began before the patch (up to IDLE_POLL_MS on an idle agent)
+    # must end first, or it would take the records unseen
+    assert kept.wait(5)
     tps = {sid: new_traceparent() for sid in (1, 3)}
     c = Scripted(port)
     try:

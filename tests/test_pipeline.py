@@ -149,6 +149,42 @@ def test_an_idle_reader_waits_longer_and_records_bring_it_back():
     pipe.shutdown(2.0)
 
 
+class BlockingSource(FakeSource):
+    """A poll that waits until released: a reader in a long wait when the pause comes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.polling, self.release = threading.Event(), threading.Event()
+
+    def poll(self, timeout_ms: int) -> list[bytes]:
+        self.polling.set()
+        self.release.wait(10)
+        self.polling.clear()
+        return super().poll(0)
+
+
+def test_pausing_returns_once_no_poll_is_under_way():
+    """A poll begun before the pause must not take records after it: pause_reading waits for
+    the reader to leave its wait (up to IDLE_POLL_MS on an idle agent)."""
+    source = BlockingSource()
+    pipe, _, _ = pipeline_over(source)
+    pipe.start()
+    assert source.polling.wait(5)
+    pauser = threading.Thread(target=pipe.pause_reading, args=(True,))
+    pauser.start()
+    pauser.join(0.3)
+    assert pauser.is_alive(), "returned while the reader was still in its poll"
+    source.release.set()
+    pauser.join(5)
+    assert not pauser.is_alive() and not source.polling.is_set()
+    polls = len(source.waits)
+    source.push(traced(0)[0])
+    time.sleep(0.2)
+    assert len(source.waits) == polls and source._queue, "paused: nothing is read"
+    pipe.pause_reading(False)
+    pipe.shutdown(2.0)
+
+
 def test_shutdown_detaches_before_it_drains_and_loses_nothing_queued():
     """Records the kernel queued before the detach are exported; the order is detach, drain,
     close the source, then flush the destinations."""
@@ -359,7 +395,6 @@ def test_a_reader_behind_lowers_the_kernels_ratio_at_once():
     agent.start()
     assert agent.pipeline is not None
     agent.pipeline.pause_reading(True)  # its empty batches would report 0.0 in between
-    time.sleep(0.1)
     try:
         agent._budget_fill(0.9)
         assert source.ratios == [], "one full batch: a backlog, not yet a rate"

@@ -202,8 +202,7 @@ def test_ring_buffer_losses_add_up_exactly(rel):
     k0 = pipe.kernel_counters()
     recv0 = m.get("records_received")
     drop0 = m.total("records_dropped_userspace")
-    pipe.pause_reading(True)
-    time.sleep(0.3)  # a poll in progress (100 ms at most) ends before the traffic starts
+    pipe.pause_reading(True)  # returns once no poll is under way: none takes the traffic
     try:
         sent = keepalive_load(port, n, conns=4, prefix="/loss")
         k1 = pipe.kernel_counters()

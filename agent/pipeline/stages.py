@@ -167,6 +167,9 @@ class Pipeline:
         )
         self._stop = threading.Event()
         self._paused = threading.Event()
+        # pauses asked for, and the last one the reader saw (it polls no more until resumed)
+        self._pause_cond = threading.Condition()
+        self._pauses_asked = self._pauses_seen = 0
         self._reader: threading.Thread | None = None
         self._stopped = False
         # the kernel's unsampled_aggregated already added to requests_unsampled
@@ -275,6 +278,9 @@ class Pipeline:
         wait = POLL_MS
         while not self._stop.is_set():
             if self._paused.is_set():
+                with self._pause_cond:
+                    self._pauses_seen = self._pauses_asked
+                    self._pause_cond.notify_all()
                 time.sleep(0.05)
                 continue
             try:
@@ -286,12 +292,19 @@ class Pipeline:
                 self.metrics.inc("reader_errors")
                 time.sleep(0.1)
 
-    def pause_reading(self, paused: bool) -> None:
-        """Stop consuming the source (tests of loss accounting use this)."""
-        if paused:
-            self._paused.set()
-        else:
+    def pause_reading(self, paused: bool, timeout_s: float = 5.0) -> None:
+        """Stop consuming the source (tests of loss accounting use this). Pausing returns once
+        the reader has seen it, so no poll begun before it takes records after it (a wait can
+        last IDLE_POLL_MS); at most timeout_s."""
+        if not paused:
             self._paused.clear()
+            return
+        with self._pause_cond:
+            self._pauses_asked += 1
+            asked = self._pauses_asked
+            self._paused.set()
+            if self.reader_alive():
+                self._pause_cond.wait_for(lambda: self._pauses_seen >= asked, timeout_s)
 
     def kernel_counters(self) -> dict[str, int]:
         counters = self.source.kernel_counters()
