@@ -4,7 +4,8 @@
 
 Starts the agent on a port nothing listens on (the probes attached, no traffic), waits 3 s
 after ready, then reads the process's CPU time (user + system, all threads) over --seconds.
-What is left is the agent's fixed cost: the reader's wake-ups (every POLL_MS), the
+What is left is the agent's fixed cost: the reader's wake-ups (POLL_MS, backing off to
+IDLE_POLL_MS with nothing to read), the
 once-a-second counter reads, the exporter's and the other threads' timers. The baseline, in
 the same run: a bare Python loop of empty epoll waits on an idle pipe, at POLL_MS and at a few
 other timeouts (what one sleep and wake-up costs a thread on this machine).

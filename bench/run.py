@@ -969,6 +969,18 @@ def main(argv: list[str] | None = None) -> int:
         help="the agents' --cpu-budget (default 0: off, every request traced, what the targets "
         "measure; 0.5: as deployed, the budget sheds above it)",
     )
+    ap.add_argument(
+        "--loss-only",
+        action="store_true",
+        help="calibrate, run the loss curve alone (one fresh agent) and print its steps with "
+        "the agent's CPU per record; no JSON",
+    )
+    ap.add_argument(
+        "--loss-rates",
+        type=lambda v: tuple(int(x) for x in v.split(",")),
+        help="the loss curve's open-loop rates, comma-separated (e.g. 20000)",
+    )
+    ap.add_argument("--loss-seconds", type=int, help="seconds per loss-curve step")
     ap.add_argument("--json", type=Path, help="write the JSON here instead of bench/results/")
     ap.add_argument(
         "--report", type=Path, help="print the table of a saved JSON result; run nothing"
@@ -990,6 +1002,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = Config(**{**asdict(cfg), "destination": args.destination})
     if args.cpu_budget is not None:
         cfg = Config(**{**asdict(cfg), "cpu_budget": f"{args.cpu_budget:g}"})
+    if args.loss_rates:
+        cfg = Config(**{**asdict(cfg), "loss_rates": args.loss_rates})
+    if args.loss_seconds:
+        cfg = Config(**{**asdict(cfg), "loss_s": args.loss_seconds})
     if (os.cpu_count() or 1) < 2:
         cfg = Config(**{**asdict(cfg), "server_cpu": None, "load_cpu": None, "agent_cpu": None})
     elif cfg.load_cpu is not None:
@@ -1014,6 +1030,12 @@ def main(argv: list[str] | None = None) -> int:
         bench.server_pid = srv.pid
         log(f"server on :{bench.port} (pid {srv.pid}); calibrating with the agent off")
         bench.calibrate()
+        if args.loss_only:
+            log("loss curve alone (agent on, kernel.bpf_stats_enabled=1)")
+            bench.loss_curve()
+            for s in bench.loss:
+                print(f"{loss_line(s)}  agent {s['cpu_us_per_record'] or 0:.1f} µs/record")
+            return 0
         for rnd in range(1, cfg.rounds + 1):
             log(f"round {rnd}/{cfg.rounds}: agent off")
             bench.phase(rnd, None, scenarios(cfg))
