@@ -139,3 +139,66 @@ def test_workset_off_without_btf(require_root, monkeypatch):
     knobs, signals = _plan(ProbeConfig())
     assert signals["workset"].startswith("off: task_struct offsets not found in the kernel's BTF")
     assert "WITH_WORKSET" not in knobs and "WITH_SCHED" in knobs
+
+
+def _btf(types: bytes, strings: bytes, type_len: int | None = None) -> bytes:
+    """A BTF blob: header, then the type section (`type_len` may claim less than is there)."""
+    tlen = len(types) if type_len is None else type_len
+    hdr = struct.pack("<HBBIIIII", 0xEB9F, 1, 0, 24, 0, tlen, len(types), len(strings))
+    return hdr + types + strings
+
+
+def test_descends_through_modifiers_and_unions_declared_after_the_struct(tmp_path: Path) -> None:
+    """The first `task` has no members (skipped, as a forward declaration would be); the second
+    names `task` through its own copy of the string (not deduplicated) and reaches `a` and `b`
+    through a const anonymous union and a nested anonymous struct, all with higher type ids."""
+    strings = b"\0int\0task\0flags\0a\0b\0task\0"
+
+    def off(s: str, nth: int = 0) -> int:
+        i = -1
+        for _ in range(nth + 1):
+            i = strings.index(b"\0" + s.encode() + b"\0", i + 1)
+        return i + 1
+
+    t = struct.pack("<IIII", off("int"), 1 << 24, 4, 32)  # 1: int
+    t += struct.pack("<III", off("task"), 4 << 24, 0)  # 2: struct task {} (no members)
+    t += struct.pack("<III", off("task", 1), (4 << 24) | 2, 24)  # 3: struct task
+    t += struct.pack("<III", off("flags"), 1, 0) + struct.pack("<III", 0, 4, 64)
+    t += struct.pack("<III", 0, 10 << 24, 5)  # 4: const -> 5
+    t += struct.pack("<III", 0, (5 << 24) | 2, 8)  # 5: union { int a; struct {...} }
+    t += struct.pack("<III", off("a"), 1, 0) + struct.pack("<III", 0, 6, 0)
+    t += struct.pack("<III", 0, (4 << 24) | 1, 8)  # 6: struct { <32 bits> int b; }
+    t += struct.pack("<III", off("b"), 1, 32)
+    f = tmp_path / "btf"
+    f.write_bytes(_btf(t, strings))
+    assert member_offsets("task", ("flags", "a", "b"), f) == {"flags": 0, "a": 8, "b": 12}
+
+
+def test_a_member_not_on_a_byte_boundary_is_refused(tmp_path: Path) -> None:
+    strings = b"\0int\0task\0odd\0"
+    t = struct.pack("<IIII", 1, 1 << 24, 4, 32)
+    t += struct.pack("<III", 5, (4 << 24) | 1, 8) + struct.pack("<III", 10, 1, 4)
+    f = tmp_path / "btf"
+    f.write_bytes(_btf(t, strings))
+    with pytest.raises(BtfError, match="member odd is not byte-aligned"):
+        member_offsets("task", ("odd",), f)
+
+
+@pytest.mark.parametrize(
+    ("types", "type_len", "error"),
+    [
+        (struct.pack("<III", 0, 31 << 24, 0), None, "unknown BTF kind 31"),
+        # a struct whose member list runs past the length the header gives the type section
+        (struct.pack("<III", 1, (4 << 24) | 2, 8) + b"\0" * 24, 24, "runs past the type section"),
+        # a pointer, then 4 bytes: not a whole 12-byte record
+        (struct.pack("<III", 0, 2 << 24, 1) + b"\0" * 4, None, "runs past the type section"),
+    ],
+    ids=["unknown-kind", "members-past-section", "partial-record"],
+)
+def test_malformed_type_sections_raise_btf_error(
+    tmp_path: Path, types: bytes, type_len: int | None, error: str
+) -> None:
+    f = tmp_path / "btf"
+    f.write_bytes(_btf(types, b"\0task\0", type_len))
+    with pytest.raises(BtfError, match=error):
+        member_offsets("task", ("flags",), f)
