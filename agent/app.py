@@ -71,6 +71,7 @@ def probe_config(s: Settings, *, http2_after_ready: bool = False) -> ProbeConfig
         cuda_launches=s.cuda_launches,
         cuda_sync_threshold_ns=int(s.cuda_sync_threshold_ms * 1e6),
         http2_after_ready=http2_after_ready,
+        bpf_cache_dir=Path(s.bpf_cache) if s.bpf_cache else None,
     )
 
 
@@ -226,7 +227,7 @@ class Agent:
         for dest in self.destinations:
             dest.start()
         self.gpu, self.gpu_text = open_gpu(s, self.metrics, self._given_gpu)
-        self.source.start()  # compiles and attaches: seconds
+        self.source.start()  # loads (a child compiles first if not cached), attaches: seconds
         status = self.source.status
         with self._lock:
             if self._stopped:  # shut down while the probes loaded: leave it to shutdown()

@@ -198,6 +198,14 @@ class Settings:
         "losses. 0: never.",
         ENV + "CPU_BUDGET",
     )
+    bpf_cache: str = option(
+        "/var/cache/tracejoin/bpf",
+        str,
+        "Directory (root's, not writable by others) where the compiled probes are kept: a "
+        "later start on the same kernel loads them instead of compiling (seconds, and the "
+        "compiler's memory). Empty: compile at every start.",
+        ENV + "BPF_CACHE",
+    )
     tlb: str = option(
         "auto",
         click.Choice(["auto", "hardware", "flush"]),

@@ -315,9 +315,14 @@ class AgentRun:
     cpu: int | None
     sink_port: int | None = None
     extra_args: list[str] = field(default_factory=list)
+    # --bpf-cache: where the compiled probes are kept (None: "", compile at every start)
+    bpf_cache: Path | None = None
     proc: subprocess.Popen[str] | None = None
     startup_s: float = 0.0  # process start -> "ready" log line
-    load_s: float = 0.0  # the agent's own figure: BCC compile + attach
+    load_s: float = 0.0  # the agent's own figure: compile (or cache read) + load + attach
+    bpf_source: str = ""  # "compiled" (in a child, this start) or "cache"
+    compile_s: float = 0.0  # the child's compile, when it ran
+    compile_peak_mb: float = 0.0  # the child's peak RSS, when it ran
     # process start -> HTTP/2 on (verified after ready: its own log line; start() waits for it,
     # since the verifier's CPU is the agent's and its programs are measured too)
     http2_s: float = 0.0
@@ -340,6 +345,7 @@ class AgentRun:
         cmd += ["--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1"]
         for p in self.ports:
             cmd += ["--port", str(p)]
+        cmd += ["--bpf-cache", str(self.bpf_cache or "")]
         ready, http2 = threading.Event(), threading.Event()
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
@@ -355,6 +361,12 @@ class AgentRun:
             assert self.proc is not None and self.proc.stderr is not None
             for line in self.proc.stderr:
                 self.log.append(line.rstrip())
+                c = re.search(r"compiled in a child process in ([\d.]+)s \(peak (\d+) MiB\)", line)
+                if c:
+                    self.bpf_source = "compiled"
+                    self.compile_s, self.compile_peak_mb = float(c.group(1)), float(c.group(2))
+                elif "compiled programs from the cache" in line:
+                    self.bpf_source = "cache"
                 m = re.search(r"ready: probes loaded in ([\d.]+)s", line)
                 if m and not ready.is_set():
                     self.startup_s = time.monotonic() - t0

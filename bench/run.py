@@ -168,6 +168,11 @@ class Bench:
         self.bpf: dict[str, Any] = {}
         self.stats_switch = m.BpfStatsSwitch()
         self.sink_port: int | None = None
+        # the run's own cache of compiled probes: its first agent compiles (a first start on a
+        # node), the later ones load what it kept (every start after that)
+        import tempfile
+
+        self.bpf_cache = Path(tempfile.mkdtemp(prefix="tjbench-bpf-"))
 
     def load(self, sc: Scenario, seconds: float) -> dict[str, Any]:
         cfg = self.cfg
@@ -254,10 +259,21 @@ class Bench:
 
     def start_agent(self) -> m.AgentRun:
         budget = ["--cpu-budget", self.cfg.cpu_budget]
-        agent = m.AgentRun([self.port], self.cfg.agent_cpu, self.sink_port, extra_args=budget)
+        agent = m.AgentRun(
+            [self.port],
+            self.cfg.agent_cpu,
+            self.sink_port,
+            extra_args=budget,
+            bpf_cache=self.bpf_cache,
+        )
         agent.start()
+        how = (
+            f"compiled in a child in {agent.compile_s:.1f} s, peak {agent.compile_peak_mb:.0f} MB"
+            if agent.bpf_source == "compiled"
+            else "compiled programs from the cache"
+        )
         self.log(
-            f"  agent ready in {agent.startup_s:.2f} s (probes {agent.load_s:.1f} s); "
+            f"  agent ready in {agent.startup_s:.2f} s (probes {agent.load_s:.1f} s: {how}); "
             f"HTTP/2 on at {agent.http2_s:.2f} s"
         )
         return agent
@@ -268,6 +284,9 @@ class Bench:
             {
                 "startup_s": round(agent.startup_s, 3),
                 "probe_load_s": agent.load_s,
+                "bpf_source": agent.bpf_source,
+                "compile_s": round(agent.compile_s, 3),
+                "compile_peak_mb": agent.compile_peak_mb,
                 "http2_s": round(agent.http2_s, 3),
                 "stop_s": round(agent.stop_s, 3),
                 "peak_rss_mb": round(agent.peak_rss_kb / 1024, 1),
@@ -599,9 +618,23 @@ def targets(res: dict[str, Any]) -> list[Target]:
             None if ratio is None else ratio >= 4,
         )
     )
-    start = max(a["startup_s"] for a in res["agent"]["runs"])
-    out.append(Target("start-up to ready (worst run)", "<= 2 s", f"{start:.2f} s", start <= 2))
-    rss = max(a["peak_rss_mb"] for a in res["agent"]["runs"])
+    # results from before the compile cache compiled at every start
+    runs = res["agent"]["runs"]
+    for label, source in (
+        ("start-up to ready, first on a kernel: compiles (worst run)", "compiled"),
+        ("start-up to ready, compiled programs cached (worst run)", "cache"),
+    ):
+        starts = [a["startup_s"] for a in runs if a.get("bpf_source", "compiled") == source]
+        worst = max(starts, default=None)
+        out.append(
+            Target(
+                label,
+                "<= 2 s",
+                "no such start in this run" if worst is None else f"{worst:.2f} s",
+                None if worst is None else worst <= 2,
+            )
+        )
+    rss = max(a["peak_rss_mb"] for a in runs)
     out.append(Target("agent peak RSS (worst run)", "<= 120 MB", f"{rss:.0f} MB", rss <= 120))
     return out
 
@@ -750,7 +783,7 @@ def format_report(res: dict[str, Any]) -> str:
     load = _mean([a["probe_load_s"] for a in ag["runs"]])
     L.append(
         f"   start-up to ready: {_mean(st):.2f} s [{min(st):.2f}..{max(st):.2f}] over "
-        f"{len(st)} starts (BCC compile+load+attach {load:.1f} s)"
+        f"{len(st)} starts (probes: compile or cache, load, attach {load:.1f} s)"
         + (
             f"; HTTP/2 on at {_mean(h2):.2f} s (its programs verified after ready)"
             if (h2 := [a["http2_s"] for a in ag["runs"] if "http2_s" in a])
@@ -758,6 +791,15 @@ def format_report(res: dict[str, Any]) -> str:
         )
     )
     last = ag["runs"][-1].get("rss_at_stop_mb", {})
+    compiles = [a for a in ag["runs"] if a.get("bpf_source") == "compiled"]
+    if compiles:
+        L.append(
+            f"   compiles: {len(compiles)} of {len(ag['runs'])} starts, in a child process: "
+            + "; ".join(
+                f"{a['compile_s']:.1f} s, its peak {a['compile_peak_mb']:.0f} MB" for a in compiles
+            )
+            + " (a separate process, gone before ready); the other starts loaded the cache"
+        )
     L.append(
         f"   peak RSS: {max(a['peak_rss_mb'] for a in ag['runs']):.0f} MB (VmHWM); at stop "
         f"{last.get('VmRSS', 0):.0f} MB = anon {last.get('RssAnon', 0):.0f} + file "
@@ -1024,6 +1066,7 @@ def main(argv: list[str] | None = None) -> int:
     loadavg = os.getloadavg()
     with contextlib.ExitStack() as stack:
         stack.enter_context(restore_on_signal(bench.stats_switch))
+        stack.callback(shutil.rmtree, bench.bpf_cache, ignore_errors=True)
         srv = stack.enter_context(m.go_server(bench.port, cfg.server_cpu))
         if cfg.destination == "otlp":
             bench.sink_port = stack.enter_context(m.otlp_sink(cfg.load_cpu))

@@ -5,12 +5,12 @@
     sudo .venv/bin/python -m bench.startup --verify [--runs 3] # tail-call loads, 1 by 1 or not
     sudo .venv/bin/python -m bench.startup --agent-http2 [--runs 3]  # ready before/after HTTP/2
 
-Each run is a fresh interpreter (a child of this one) that does what HttpProbes.start() does,
+Each run is two fresh interpreters (children of this one) doing what HttpProbes.start() does,
 timing each step and reading /proc/self/status after it: VmHWM (peak RSS so far), RssAnon,
-RssFile. BPF() is split into the clang/LLVM compile (its own time) and the kernel verifier
-(every load_func, timed through a wrapper; BCC's autoload calls load_func too). The two
-`release_*` rows are what start() does after the compile: malloc_trim(0), which hands LLVM's
-freed heap back to the kernel, and unmapping clang/LLVM's code (agent/kernel/probes.py).
+RssFile. The first finds an empty cache of compiled programs (a first start on a node: a child
+process compiles, agent/kernel/compiled.py), the second the entry the first kept (every later
+start). Each step is timed through a wrapper around the function start() calls for it; `--agent`
+times `tracejoin run` itself, exec to ready, on an empty cache and then on the one it kept.
 Requires root (it loads the real programs); prints a table of medians over the runs.
 """
 
@@ -18,15 +18,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 
 from bench.measure import http2_pending, http2_settled
 
 _CHILD = r"""
-import ctypes, json, os, sys, time
-t_exec = float(sys.argv[1])
+import json, sys, time
+from pathlib import Path
+t_exec, cache = float(sys.argv[1]), Path(sys.argv[2])
 rows = []
 def status():
     st = {}
@@ -38,7 +42,6 @@ def status():
 def mark(step, t0):
     rows.append((step, time.monotonic() - t0, status()))
     return time.monotonic()
-t = time.monotonic()
 rows.append(("interpreter up (exec -> here)", time.time() - t_exec, {}))
 t = time.monotonic()
 import tracejoin.app  # noqa: what `tracejoin run` imports before it starts anything
@@ -46,66 +49,63 @@ t = mark("import tracejoin.app", t)
 from bcc import BPF
 t = mark("import bcc (maps libbcc + LLVM/clang)", t)
 from tracejoin.core.metrics import Metrics
+from tracejoin.kernel import compiled, probes
 from tracejoin.kernel.probes import HttpProbes, ProbeConfig
-p = HttpProbes(ProbeConfig(), Metrics())
+# as tracejoin run: HTTP/2's programs verify after start() returns (not timed here)
+p = HttpProbes(ProbeConfig(bpf_cache_dir=cache, http2_after_ready=True), Metrics())
 knobs = p.plan()
 src, cflags = p.render(knobs)
 t = mark(f"plan + render ({len(src)} bytes of C)", t)
-verify = [0.0]
-per_prog, hwm = {}, {}
-orig = BPF.load_func
-def timed(self, name, *a, **k):
-    t0 = time.monotonic()
-    try:
-        return orig(self, name, *a, **k)
-    finally:
-        verify[0] += time.monotonic() - t0
-        per_prog[name] = per_prog.get(name, 0.0) + time.monotonic() - t0
-        hwm[name] = status()
-BPF.load_func = timed
-t1 = time.monotonic()
-bpf = BPF(text=src.encode(), cflags=cflags)
-whole = time.monotonic() - t1
-t = mark("BPF(): compile (clang + LLVM) + autoload", t1)
-rows[-1] = ("BPF(): clang front end + LLVM codegen", whole - verify[0], rows[-1][2])
-rows.append(("BPF(): verifier + attach of autoloaded tracepoints", verify[0], {}))
-# the rest of HttpProbes.start() (tail-call loads, perf events, ring buffer) on the object
-# just compiled: start() with BPF() handing it back instead of compiling again
-import bcc
-import tracejoin.kernel.probes as probes
-class Reuse(BPF):  # bpf is no Reuse, so __init__ (the compile) is not run again
-    def __new__(cls, *a, **k):
-        return bpf
-bcc.BPF = Reuse
-p2 = HttpProbes(ProbeConfig(), Metrics())
-p2.plan = lambda: knobs  # planned above (a second BTF parse would add its own peak)
-# done below, as their own steps
-probes.release_freed_heap = probes.release_compiler_code = lambda: 0
-t = time.monotonic()
-p2.start()
-bcc.BPF = BPF
-t = mark("rest of start(): tail-call loads, perf events, ring buffer", t)
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc_trim(0)
-t = mark("release_freed_heap(): malloc_trim(0)", t)
-for lo, hi in probes.compiler_code_ranges(open("/proc/self/maps").read().splitlines()):
-    libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)
-t = mark("release_compiler_code(): clang/LLVM code unmapped", t)
-bpf.cleanup()
-for name, secs in sorted(per_prog.items(), key=lambda kv: -kv[1])[:4]:
-    rows.append((f"  of which load_func({name.decode()})", secs, hwm[name]))
-t = time.monotonic()
-BPF(text=b"int empty(void *ctx) { return 0; }").cleanup()
-t = mark("BCC's fixed cost: compile an empty program", t)
+p.plan = lambda: knobs  # start() below: planned above
+spent = {}
+def timed(label, fn):
+    def wrapper(*a, **k):
+        t0 = time.monotonic()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[label] = spent.get(label, 0.0) + time.monotonic() - t0
+            spent[label + " mem"] = status()
+    return wrapper
+obtain, cached_bpf = compiled.obtain, compiled.cached_bpf
+got = {}
+def obtain_kept(*a, **k):
+    got["it"] = obtain(*a, **k)
+    return got["it"]
+compiled.obtain = timed("obtain", obtain_kept)
+def made(entry):
+    bpf = cached_bpf(entry)
+    bpf.autoload = timed("autoload", bpf.autoload)
+    return bpf
+compiled.cached_bpf = timed("maps", made)
+release = probes.release_compiler_code
+probes.release_compiler_code = timed("release", release)
+t0 = time.monotonic()
+p.start()
+whole = time.monotonic() - t0
+o = got["it"]
+what = (
+    "cache: read the entry"
+    if o.source == "cache"
+    else f"compile in a child process (its peak {o.compile_peak_bytes >> 20} MiB)"
+)
+rows.append((what, spent["obtain"], spent["obtain mem"]))
+rows.append(("create the maps", spent["maps"], spent["maps mem"]))
+rows.append(("autoload: verify + attach the tracepoint programs", spent["autoload"], {}))
+rest = whole - spent["obtain"] - spent["maps"] - spent["autoload"] - spent["release"]
+rows.append(("rest of start(): tail-call loads (concurrent), perf events, ring", rest, status()))
+rows.append(("release_compiler_code(): clang/LLVM code unmapped", spent["release"], status()))
+rows.append(("start() in all", whole, {}))
+p.shutdown()
 print(json.dumps(rows))
 """
 
 
-def one_run() -> list[tuple[str, float, dict[str, int]]]:
+def one_run(cache: str) -> list[tuple[str, float, dict[str, int]]]:
     import time
 
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, repr(time.time())],
+        [sys.executable, "-c", _CHILD, repr(time.time()), cache],
         capture_output=True,
         text=True,
     )
@@ -115,15 +115,11 @@ def one_run() -> list[tuple[str, float, dict[str, int]]]:
     return [(str(step), float(secs), dict(st)) for step, secs, st in rows]
 
 
-# `tracejoin run` itself; with no-trim, the same code with the two releases switched off; any
-# further arguments are tracejoin run's
+# `tracejoin run` itself; any arguments are tracejoin run's
 _AGENT = r"""
 import sys
-if sys.argv[1] == "no-trim":
-    import tracejoin.kernel.probes as p
-    p.release_freed_heap = p.release_compiler_code = lambda: 0
 from tracejoin.commands.cli import main
-sys.argv = ["tracejoin", "run", "--spans-file", "/dev/null", "--metrics-port", "0", *sys.argv[2:]]
+sys.argv = ["tracejoin", "run", "--spans-file", "/dev/null", "--metrics-port", "0", *sys.argv[1:]]
 main()
 """
 
@@ -180,23 +176,27 @@ def _status_mb(pid: int) -> dict[str, int]:
     return out
 
 
-def agent_start(trim: bool, *flags: str) -> tuple[float, dict[str, int], float]:
+def agent_start(*flags: str) -> tuple[float, dict[str, int], float, str]:
     """Seconds from exec to the `ready:` log line of `tracejoin run`, its memory 2 s after
-    ready (VmHWM is the peak so far), and seconds from exec to HTTP/2 on (its `http2 on` log
-    line, or ready when ready waited for it)."""
+    ready (VmHWM is the peak so far), seconds from exec to HTTP/2 on (its `http2 on` log line,
+    or ready when ready waited for it), and how it got its programs (its log line)."""
     import signal
     import time
 
     t0 = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-c", _AGENT, "trim" if trim else "no-trim", *flags],
+        [sys.executable, "-c", _AGENT, *flags],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
     )
+    how = ""
     try:
         assert proc.stderr is not None
         for line in proc.stderr:
+            m = re.search(r"probes loaded in [\d.]+s: (.*)", line)
+            if m:
+                how = re.sub(r" \(/.*|, kept in .*", "", m.group(1))
             if "ready:" in line:
                 ready = time.monotonic() - t0
                 break
@@ -209,7 +209,7 @@ def agent_start(trim: bool, *flags: str) -> tuple[float, dict[str, int], float]:
                     http2 = time.monotonic() - t0
                     break
         time.sleep(2)
-        return ready, _status_mb(proc.pid), http2
+        return ready, _status_mb(proc.pid), http2, how
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
@@ -235,7 +235,7 @@ def main() -> None:
         print("|---|---:|---:|---:|")
         for _ in range(args.runs):  # alternating, so that drift in load hits both alike
             for flags in ((), ("--http2-before-ready",)):
-                secs, st, h2 = agent_start(True, *flags)
+                secs, st, h2, _ = agent_start(*flags)
                 label = " ".join(flags) or "(default: HTTP/2 after ready)"
                 print(f"| {label} | {secs:.2f} | {h2:.2f} | {st['VmHWM']} |", flush=True)
         return
@@ -245,23 +245,34 @@ def main() -> None:
     if args.agent:
         print("| tracejoin run | exec -> ready, s | VmHWM | RssAnon | RssFile |")
         print("|---|---:|---:|---:|---:|")
-        for trim in (False, True):
-            for _ in range(args.runs):
-                secs, st, _ = agent_start(trim)
-                label = "heap and code released" if trim else "without the releases"
-                print(
-                    f"| {label} | {secs:.2f} | {st['VmHWM']} | {st['RssAnon']} | {st['RssFile']} |"
-                )
+        for _ in range(args.runs):  # a first start on an empty cache, then one that loads it
+            cache = tempfile.mkdtemp(prefix="tjstart-")
+            try:
+                for _ in range(2):
+                    secs, st, _, how = agent_start("--bpf-cache", cache)
+                    cells = f"{st['VmHWM']} | {st['RssAnon']} | {st['RssFile']}"
+                    print(f"| {how} | {secs:.2f} | {cells} |", flush=True)
+            finally:
+                shutil.rmtree(cache, ignore_errors=True)
         return
-    runs = [one_run() for _ in range(args.runs)]
-    print(f"median of {args.runs} runs; MB = MiB from /proc/self/status after the step")
-    print("| step | seconds | VmHWM | RssAnon | RssFile |")
-    print("|---|---:|---:|---:|---:|")
-    for i, (step, _, _) in enumerate(runs[0]):
-        secs = statistics.median(r[i][1] for r in runs)
-        st = runs[-1][i][2]
-        cells = [str(st[k]) if k in st else "" for k in ("VmHWM", "RssAnon", "RssFile")]
-        print(f"| {step} | {secs:.2f} | " + " | ".join(cells) + " |")
+    for label, warm in (("first start on a node: empty cache", False), ("cache kept", True)):
+        runs = []
+        for _ in range(args.runs):
+            cache = tempfile.mkdtemp(prefix="tjstart-")
+            try:
+                if warm:
+                    one_run(cache)  # fills it
+                runs.append(one_run(cache))
+            finally:
+                shutil.rmtree(cache, ignore_errors=True)
+        print(f"\n{label}: median of {args.runs} runs; MB = MiB from /proc/self/status after it")
+        print("| step | seconds | VmHWM | RssAnon | RssFile |")
+        print("|---|---:|---:|---:|---:|")
+        for i, (step, _, _) in enumerate(runs[0]):
+            secs = statistics.median(r[i][1] for r in runs)
+            st = runs[-1][i][2]
+            row = [str(st[k]) if k in st else "" for k in ("VmHWM", "RssAnon", "RssFile")]
+            print(f"| {step} | {secs:.2f} | " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":

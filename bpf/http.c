@@ -39,7 +39,7 @@
  *   TASK_FLAGS_OFF, TASK_PID_OFF, TASK_TGID_OFF, TASK_COMM_OFF
  *                                          task_struct member offsets from the running kernel's
  *                                          BTF (WITH_WORKSET only; agent/kernel/btf.py)
- *   AGENT_TGID, WITH_IRQ_VECTORS           the agent's own process; x86 irq_work tracepoints
+ *   WITH_IRQ_VECTORS                       x86 irq_work tracepoints
  *                                          exist (WITH_WORKSET only)
  *                                          optional signals whose tracepoints/events exist
  *   FILTER_PID, FILTER_PORT, FILTER_COMM   filters are active (values live in maps)

@@ -139,6 +139,9 @@ struct workset {
 /* Kernel-private to the work set, so declared here rather than in http.c. */
 BPF_TABLE("lru_hash", struct ws_key, struct workset, worksets, WS_ENTRIES);
 BPF_PERCPU_ARRAY(zero_ws, struct workset, 1);           /* never written: a zeroed template */
+/* [0]: the agent's process id, set by user space before any program attaches (a map, not a
+ * define: the compiled programs are kept and loaded by later starts, agent/kernel/compiled.py) */
+BPF_ARRAY(agent_tgid, u32, 1);
 /* CUDA calls, summed per work set (they need the maps above) */
 #ifdef WITH_CUDA
 #include "cuda.h"
@@ -636,7 +639,8 @@ TRACEPOINT_PROBE(irq, softirq_entry)
  * connection's client: the response arriving). */
 static __always_inline int ws_may_join(struct tstat *t, u64 id, u32 flags, u32 wakee_pid)
 {
-    if ((flags & PF_KTHREAD_) || wakee_pid == AGENT_TGID)
+    u32 zero = 0, *agent = agent_tgid.lookup(&zero);
+    if ((flags & PF_KTHREAD_) || (agent && wakee_pid == *agent))
         return 0;
     struct pending_io *io = pending_get(DIR_WR);
     if (!io)

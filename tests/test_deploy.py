@@ -65,6 +65,9 @@ pytestmark = pytest.mark.timeout(1800)
 CAPABILITIES = frozenset({"BPF", "PERFMON"})  # always
 OPTIONAL_CAPABILITIES = frozenset({"SYS_PTRACE", "DAC_READ_SEARCH"})  # opt-in, off by default
 HOST_PATHS = frozenset({"/sys/kernel/tracing", "/lib/modules", "/usr/src"})  # read-only
+# The one host directory the agent writes: its compiled probes, kept for the next start
+# (--bpf-cache; agent/kernel/compiled.py). Everything else of the host it only reads.
+BPF_CACHE_HOST_DIR = "/var/cache/tracejoin"
 # The one host directory written, by the seccomp installer (init container) only.
 SECCOMP_HOST_DIR = "/var/lib/kubelet/seccomp/tracejoin"
 LOCALHOST_PROFILE = "tracejoin/tracejoin.json"  # relative to <kubelet root dir>/seccomp
@@ -462,7 +465,9 @@ def test_chart_seccomp_alternatives(helm: Path, tmp_path: Path) -> None:
         r = _render_chart(helm, tmp_path / "alt.yaml", "alt", values)
         assert r.container["securityContext"]["seccompProfile"] == want
         assert not r.init_containers
-        assert {v["hostPath"]["path"] for v in r.pod["volumes"] if "hostPath" in v} == HOST_PATHS
+        assert {
+            v["hostPath"]["path"] for v in r.pod["volumes"] if "hostPath" in v
+        } == HOST_PATHS | {BPF_CACHE_HOST_DIR}
         assert all(c["metadata"]["name"] != "tracejoin-seccomp" for c in r.all("ConfigMap"))
     r = _render_chart(
         helm,
@@ -473,7 +478,7 @@ def test_chart_seccomp_alternatives(helm: Path, tmp_path: Path) -> None:
     (init,) = r.init_containers
     assert "/host/p.json" in init["args"][0]
     paths = {v["hostPath"]["path"] for v in r.pod["volumes"] if "hostPath" in v}
-    assert paths == HOST_PATHS | {"/var/lib/k0s/kubelet/seccomp/tj"}
+    assert paths == HOST_PATHS | {BPF_CACHE_HOST_DIR, "/var/lib/k0s/kubelet/seccomp/tj"}
     for bad in ("tracejoin.json", "../tracejoin.json", "/etc/tracejoin.json", "a/../../b.json"):
         proc = run_helm(
             helm, "template", "tracejoin", str(CHART), "--set", f"seccomp.localhostProfile={bad}"
@@ -512,7 +517,7 @@ def test_gpu_nodes_and_toleration(rendered: Rendered) -> None:
 def test_host_mounts_read_only_and_documented(rendered: Rendered) -> None:
     volumes = {v["name"]: v for v in rendered.pod["volumes"]}
     host = {name: v["hostPath"]["path"] for name, v in volumes.items() if "hostPath" in v}
-    assert set(host.values()) == HOST_PATHS | {SECCOMP_HOST_DIR}, (
+    assert set(host.values()) == HOST_PATHS | {SECCOMP_HOST_DIR, BPF_CACHE_HOST_DIR}, (
         f"{rendered.name}: host paths {sorted(host.values())}"
     )
     for c in rendered.init_containers:  # the installer: the kubelet's seccomp directory only
@@ -526,7 +531,8 @@ def test_host_mounts_read_only_and_documented(rendered: Rendered) -> None:
     for m in rendered.container["volumeMounts"]:
         vol = volumes[m["name"]]
         if "hostPath" in vol:
-            assert m.get("readOnly") is True, f"{m['mountPath']} must be read-only"
+            writable_host = vol["hostPath"]["path"] == BPF_CACHE_HOST_DIR
+            assert writable_host or m.get("readOnly") is True, f"{m['mountPath']} read-only"
             # BCC and tracejoin look at these exact paths
             assert m["mountPath"] == vol["hostPath"]["path"]
             assert not m.get("mountPropagation") or m["mountPropagation"] == "None"

@@ -158,7 +158,8 @@ def _hidden_headers(cmd: list[str], timeout_s: float = 60) -> subprocess.Complet
 
 @pytest.mark.parametrize("command", ["capture", "run", "doctor"])
 def test_no_kernel_headers_is_a_clear_error(require_root, tmp_path, command):
-    """Headers hidden: capture and run exit non-zero at start-up with a message naming the
+    """Headers hidden, and no compiled programs kept (`--bpf-cache ''`: a cache entry would be
+    loaded without them): capture and run exit non-zero at start-up with a message naming the
     missing build tree and the fix; doctor reports it. Never a traceback."""
     port = free_ports(1)[0]
     args = {
@@ -170,8 +171,10 @@ def test_no_kernel_headers_is_a_clear_error(require_root, tmp_path, command):
             str(port),
             "--output-dir",
             str(tmp_path),
+            "--bpf-cache",
+            "",
         ],
-        "run": ["run", "--metrics-port", "0", "--port", str(port)],
+        "run": ["run", "--metrics-port", "0", "--port", str(port), "--bpf-cache", ""],
         "doctor": ["doctor"],
     }[command]
     r = _hidden_headers([*tracejoin_command(), *args])

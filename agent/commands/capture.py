@@ -178,6 +178,8 @@ def _capture(
     status = agent.status
     gpu = agent.gpu
     notes = [f"{name} {state}" for name, state in status.signals.items() if state != "on"]
+    if status.bpf_source == "compiled":  # the first start on this kernel, or nothing kept
+        notes.append(f"probes {status.compile_text}")
     for note in [*notes, f"GPU: {agent.gpu_text}"]:
         con.line(textwrap.fill(note, 100, initial_indent="note: ", subsequent_indent="  "))
     until = f"for {s.duration:g}s" if s.duration else "until Ctrl-C"

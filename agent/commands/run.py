@@ -126,6 +126,7 @@ def _run(
         status = agent.status
         metrics.set("probes_loaded", 1)
         metrics.set("probe_load_seconds", round(status.load_seconds, 3))
+        metrics.set("probe_programs_from_cache", 1 if status.bpf_source == "cache" else 0)
         metrics.set("ready", 1)
         if health is not None:
             health.loaded = True

@@ -249,7 +249,16 @@ METRICS: tuple[Metric, ...] = (
     ),
     gauge("cuda_uprobes", "Uprobes attached to CUDA calls (entries, and returns where needed)."),
     counter("cuda_rescan_errors", "Rescans for CUDA libraries that raised (the agent goes on)."),
-    gauge("probe_load_seconds", "Seconds compiling and attaching the BPF programs."),
+    gauge(
+        "probe_load_seconds",
+        "Seconds from the start of loading the BPF programs to attached: the compile (or the "
+        "cache read), the verifier, attaching.",
+    ),
+    gauge(
+        "probe_programs_from_cache",
+        "1: this start loaded the compiled programs from --bpf-cache; 0: it compiled them (in "
+        "a child process).",
+    ),
     gauge("ready", "1 while /readyz answers 200."),
     gauge("build_info", "Always 1; the version label is tracejoin's.", "version"),
     counter(

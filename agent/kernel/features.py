@@ -66,7 +66,7 @@ class _Insn(ctypes.Structure):
     ]
 
 
-def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> tuple[int, int]:
+def bpf_syscall(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> tuple[int, int]:
     nr = _SYS_BPF.get(platform.machine())
     if nr is None:
         return -1, errno.ENOSYS
@@ -79,7 +79,7 @@ def probe_map(map_type: int, key: int, value: int, max_entries: int) -> tuple[bo
     attr = ctypes.create_string_buffer(64)
     for i, v in enumerate((map_type, key, value, max_entries)):
         ctypes.c_uint32.from_buffer(attr, 4 * i).value = v
-    fd, err = _bpf(BPF_MAP_CREATE, attr)
+    fd, err = bpf_syscall(BPF_MAP_CREATE, attr)
     if fd >= 0:
         os.close(fd)
         return True, "map created"
@@ -108,7 +108,7 @@ def probe_helper(
     ctypes.c_uint32.from_buffer(attr, 24).value = 1  # log_level
     ctypes.c_uint32.from_buffer(attr, 28).value = _LOG_SIZE
     ctypes.c_uint64.from_buffer(attr, 32).value = ctypes.addressof(log)
-    fd, err = _bpf(BPF_PROG_LOAD, attr)
+    fd, err = bpf_syscall(BPF_PROG_LOAD, attr)
     if fd >= 0:
         os.close(fd)
         return True, "a program calling it loaded"

@@ -43,7 +43,7 @@ from tracejoin.core.record import (
     Sampling,
     WsMember,
 )
-from tracejoin.kernel import ring
+from tracejoin.kernel import compiled, ring
 from tracejoin.kernel.btf import BtfError, member_offsets
 from tracejoin.kernel.cuda import CudaProbes, load_apis
 from tracejoin.kernel.perf import perf_event_open_check
@@ -163,7 +163,6 @@ KNOBS = frozenset(
         "TASK_PID_OFF",
         "TASK_TGID_OFF",
         "TASK_COMM_OFF",
-        "AGENT_TGID",
         "WITH_IRQ_VECTORS",
         "WITH_CUDA",
         "CUDA_SYNC_THRESHOLD_NS",
@@ -234,6 +233,9 @@ class ProbeConfig:
     # HTTP/1.x traced seconds sooner, docs/performance.md); False: start() loads them too
     # (capture, tests).
     http2_after_ready: bool = False
+    # Keep the compiled programs here, so a later start on this kernel loads them instead of
+    # compiling (agent/kernel/compiled.py); None: compile in a child at every start
+    bpf_cache_dir: Path | None = None
     # Read the records ring with the compiled consumer (kernel/ring.py) where it was built;
     # False: BCC's reader, one Python callback per record (the fallback; tests and the bench
     # run both).
@@ -246,9 +248,24 @@ class ProbeStatus:
     tlb_mode: str = "off"  # "hardware", "flush_fallback", "off"
     load_seconds: float = 0.0
     http2_load_seconds: float = 0.0  # verifying the HTTP/2 programs (after ready or in start())
-    # resident memory handed back after the compile: LLVM's freed heap; clang/LLVM's code
-    heap_released_bytes: int = 0
-    code_released_bytes: int = 0
+    # Where the compiled programs came from (agent/kernel/compiled.py): "cache", or "compiled"
+    # in a child process for this start; the entry's path ("" when not kept)
+    bpf_source: str = ""
+    bpf_cache_path: str = ""
+    compile_seconds: float = 0.0  # obtaining them: the child's compile, or reading the entry
+    compile_peak_bytes: int = 0  # the compiling child's peak resident memory (0: cache)
+    code_released_bytes: int = 0  # clang/LLVM's code pages unmapped (release_compiler_code)
+
+    @property
+    def compile_text(self) -> str:
+        """How the programs were obtained, for a log line or a summary."""
+        kept = f"kept in {self.bpf_cache_path}" if self.bpf_cache_path else "not kept"
+        if self.bpf_source == "cache":
+            return f"compiled programs from the cache ({self.bpf_cache_path})"
+        return (
+            f"compiled in a child process in {self.compile_seconds:.1f}s "
+            f"(peak {self.compile_peak_bytes / 2**20:.0f} MiB), {kept}"
+        )
 
 
 T = TypeVar("T")
@@ -401,14 +418,31 @@ class HttpProbes:
         knobs = self.plan()
         src, cflags = self.render(knobs)
         try:
-            bpf = BPF(text=src.encode(), cflags=cflags)
-        except Exception as exc:
+            # compiled in a child process, or taken from the cache (agent/kernel/compiled.py)
+            got = compiled.obtain(src, list(cflags), self.config.bpf_cache_dir)
+        except compiled.CompileError as exc:
             raise ProbeError(
-                f"BPF compile/load failed: {exc}. Kernel headers must exist at "
+                f"BPF compile failed: {exc}. Kernel headers must exist at "
                 f"/lib/modules/{os.uname().release}/build (run `make setup`, or mount the "
                 "host's /lib/modules and /usr/src)"
             ) from exc
+        self.status.bpf_source = got.source
+        self.status.bpf_cache_path = str(got.path) if got.path else ""
+        self.status.compile_seconds = time.monotonic() - t0
+        self.status.compile_peak_bytes = got.compile_peak_bytes
+        try:
+            bpf = compiled.cached_bpf(got.entry)
+        except Exception as exc:
+            raise ProbeError(f"BPF maps could not be created: {exc}") from exc
         self._bpf = bpf
+        # what the programs read is in place before the first of them runs
+        if "WITH_WORKSET" in knobs:
+            bpf[b"agent_tgid"][ctypes.c_int(0)] = ctypes.c_uint32(os.getpid())
+        self._fill_filters(bpf)
+        try:
+            bpf.autoload()
+        except Exception as exc:
+            raise ProbeError(f"BPF load failed: {exc}") from exc
         tail_calls = [
             (b"progs", PROG_SCAN_REQ, "scan_req", BPF.TRACEPOINT),
             (b"progs", PROG_SCAN_RESP, "scan_resp", BPF.TRACEPOINT),
@@ -419,7 +453,6 @@ class HttpProbes:
         fds = load_programs(bpf, [(name, kind) for _, _, name, kind in tail_calls], _ncpus())
         for (table, idx, _, _), fd in zip(tail_calls, fds, strict=True):
             bpf[table][ctypes.c_int(idx)] = ctypes.c_int(fd)
-        self._fill_filters(bpf)
         if "WITH_FAULTS" in knobs:
             try:
                 bpf.attach_perf_event(
@@ -463,15 +496,8 @@ class HttpProbes:
         else:
             self._load_http2(bpf)
         self.status.load_seconds = time.monotonic() - t0
-        self.status.heap_released_bytes = release_freed_heap()
         self.status.code_released_bytes = release_compiler_code()
-        log.info(
-            "probes loaded in %.1fs; released after the compile: %.0f MiB of freed heap, "
-            "%.0f MiB of clang/LLVM code",
-            self.status.load_seconds,
-            self.status.heap_released_bytes / 2**20,
-            self.status.code_released_bytes / 2**20,
-        )
+        log.info("probes loaded in %.1fs: %s", self.status.load_seconds, self.status.compile_text)
         for name, state in self.status.signals.items():
             self._report_signal(name, state)
         self.metrics.set("probe_mode", 1, signal=f"tlb_{self.status.tlb_mode}")
@@ -725,7 +751,6 @@ def _workset_knobs(knobs: dict[str, int | None], disabled: frozenset[str]) -> st
         return f"task_struct offsets not found in the kernel's BTF ({exc})"
     for member, knob in TASK_MEMBERS.items():
         knobs[knob] = offsets[member]
-    knobs["AGENT_TGID"] = os.getpid()
     if all(tracepoint_exists(tp, disabled) for tp in IRQ_VECTOR_TRACEPOINTS):
         knobs["WITH_IRQ_VECTORS"] = None
     return None
@@ -780,22 +805,10 @@ def rss_bytes(kind: str) -> int:
     return 0
 
 
-def release_freed_heap() -> int:
-    """Hand the heap BCC's embedded clang/LLVM freed after the compile back to the kernel
-    (glibc's malloc_trim): ~40 MB measured (bench/startup.py), which glibc would otherwise keep
-    for the agent's lifetime. The peak is not lowered: the compile has already happened.
-    Returns the resident anonymous memory released, in bytes (0 without glibc)."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
-        return 0
-    before = rss_bytes("RssAnon")
-    trim(ctypes.c_size_t(0))
-    return max(0, before - rss_bytes("RssAnon"))
-
-
-# The shared libraries BCC compiles with (Debian: libLLVM-N.so, libclang-cpp.so.N); nothing
-# after start() runs their code (table access, the ring buffer and uprobe attaches are libbcc's).
+# The shared libraries BCC compiles with (Debian: libLLVM-N.so, libclang-cpp.so.N). The agent
+# never compiles (a child does, agent/kernel/compiled.py), but `import bcc` maps them and runs
+# their static initialisers; nothing after that runs their code (table access, the ring buffer
+# and attaches are libbcc's).
 COMPILER_LIBRARIES = ("/libLLVM", "/libclang-cpp")
 _MADV_DONTNEED = 4
 
@@ -818,11 +831,11 @@ def compiler_code_ranges(maps_lines: list[str]) -> list[tuple[int, int]]:
 
 
 def release_compiler_code() -> int:
-    """Drop this process's page mappings of clang/LLVM's code: ~70 MB that the compile
-    touched and that would otherwise stay in the agent's RSS for its lifetime
-    (bench/startup.py). Nothing is lost: a later call into that code faults the pages back in
-    from the file (the page cache), as a second compile would. Returns the resident
-    file-backed memory released, in bytes."""
+    """Drop this process's page mappings of clang/LLVM's code: ~44 MB that loading the
+    libraries touched (their static initialisers) and that would otherwise stay in the agent's
+    RSS for its lifetime (bench/startup.py). Nothing is lost: a later call into that code
+    faults the pages back in from the file (the page cache). Returns the resident file-backed
+    memory released, in bytes."""
     try:
         with open("/proc/self/maps") as f:
             ranges = compiler_code_ranges(f.read().splitlines())

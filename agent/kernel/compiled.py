@@ -1,0 +1,602 @@
+"""The probes' compiled form, kept on disk, so a start loads programs instead of compiling them.
+
+BCC compiles bpf/http.c with its embedded clang/LLVM at every start: ~3-4 s of a quiet start and,
+with LLVM's heap and code, most of the agent's peak memory (docs/performance.md, "Start-up and
+RSS"). BCC 0.26 has no way to load a compiled object, so the split is ours, and BCC stays the
+compiler and the runtime:
+
+- `obtain()` has BCC compile in a short-lived child process (`python -m
+  tracejoin.kernel.compiled`), so the agent never maps LLVM's heap. From the compiled module
+  it keeps, per program, the instructions BCC would load and where they name a map (the
+  ld_imm64 BCC relocated to the map's fd); per map, its attributes as the kernel created them,
+  and BCC's key/leaf type descriptions.
+- `cached_bpf(entry)` is a `bcc.BPF` made from such an entry: it creates the maps (task
+  storage maps with the minimal BTF the kernel asks of them, `storage_btf`), and loads a
+  program with libbcc's `bcc_prog_load` when it is first asked for (autoloaded tracepoints at
+  `autoload()`, tail calls, perf events and uprobes through BCC's own attach methods, which all
+  ask `load_func`). Tables, the ring buffer, attach, detach and cleanup are BCC's code.
+
+An entry is keyed by everything that decides the compile's output: the rendered C text (the
+knobs, kernel struct offsets from BTF included), the flags, the kernel (release and build), the
+BCC library, and this file's format. The cache directory is root's: a program loaded from it
+runs in the kernel, so an entry is used only from a directory and file no one else can write.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import ctypes
+import errno
+import hashlib
+import json
+import logging
+import os
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tracejoin.kernel.features import bpf_syscall
+
+log = logging.getLogger(__name__)
+
+KEEP_ENTRIES = 8  # entries kept in a cache directory, the most recently used
+FORMAT = 1  # bump when an entry's content or meaning changes: older entries are then unused
+
+# bpf(2) commands and instruction encoding (include/uapi/linux/bpf.h)
+_BPF_MAP_CREATE = 0
+_BPF_OBJ_GET_INFO_BY_FD = 15
+_BPF_BTF_LOAD = 18
+_LD_IMM64 = 0x18  # BPF_LD | BPF_IMM | BPF_DW: two instruction slots
+_PSEUDO_MAP_FD = 1  # src_reg of an ld_imm64 whose imm is a map fd
+_PSEUDO_FUNC = 4  # src_reg of an ld_imm64 naming a subprogram (relative: nothing to patch)
+_INSN = 8
+_MAP_INFO_SIZE = 40  # struct bpf_map_info through name[16]
+# Local storage maps (sk, inode, task, cgroup) are created only with BTF for their key and value
+_STORAGE_MAP_TYPES = frozenset({24, 28, 29, 32})
+
+
+class CompileError(RuntimeError):
+    """BCC could not compile the text, or its output cannot be kept (said why)."""
+
+
+@dataclass(frozen=True)
+class MapSpec:
+    """One map, as the kernel created it for BCC, and BCC's description of its types."""
+
+    name: str  # BCC's table name
+    kernel_name: str  # the name the kernel holds (BCC's, cut to 15 bytes)
+    type: int
+    key_size: int
+    value_size: int
+    max_entries: int
+    flags: int
+    key_desc: str  # BCC's JSON type description (bcc.BPF._decode_table_type)
+    leaf_desc: str
+
+
+@dataclass(frozen=True)
+class FuncSpec:
+    insns: bytes
+    map_refs: tuple[tuple[int, int], ...]  # (instruction index, index into maps) to patch
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    license: str
+    kern_version: int
+    maps: tuple[MapSpec, ...]
+    funcs: dict[str, FuncSpec]
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "format": FORMAT,
+            "key": self.key,
+            "license": self.license,
+            "kern_version": self.kern_version,
+            "maps": [m.__dict__ for m in self.maps],
+            "funcs": {
+                name: {"insns": base64.b64encode(f.insns).decode(), "map_refs": f.map_refs}
+                for name, f in self.funcs.items()
+            },
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Entry:
+        doc = json.loads(raw)
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"entry format {doc.get('format')!r}, not {FORMAT}")
+        return cls(
+            key=doc["key"],
+            license=doc["license"],
+            kern_version=int(doc["kern_version"]),
+            maps=tuple(MapSpec(**m) for m in doc["maps"]),
+            funcs={
+                name: FuncSpec(
+                    base64.b64decode(f["insns"]), tuple((int(i), int(m)) for i, m in f["map_refs"])
+                )
+                for name, f in doc["funcs"].items()
+            },
+        )
+
+
+# ----------------------------------------------------------------------------- the cache key
+
+
+def cache_key(text: str, cflags: list[str]) -> str:
+    """What decides the compile's output: the text and flags, the kernel whose headers and
+    helpers it compiled against, and the BCC that compiled it."""
+    h = hashlib.sha256()
+    uname = os.uname()
+    for part in (str(FORMAT), text, "\0".join(cflags), uname.release, uname.version, _libbcc_id()):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _libbcc_id() -> str:
+    """The BCC library's file identity (path, size, mtime): an upgrade makes new entries."""
+    from bcc.libbcc import lib
+
+    path = os.path.realpath(_loaded_path(lib._name))
+    st = os.stat(path)
+    return f"{path}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _loaded_path(soname: str) -> str:
+    """The file a loaded shared library came from (its soname resolved as the loader did)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and os.path.basename(parts[5].strip()).startswith(soname):
+                return parts[5].strip()
+    return soname
+
+
+# ------------------------------------------------------------------- compile (the child's side)
+
+
+def extract(bpf: Any, key: str) -> Entry:
+    """The entry for a BPF module BCC has just compiled in this process (no program loaded)."""
+    from bcc.libbcc import lib
+
+    module = bpf.module
+    for fn, res, args in (
+        (lib.bpf_num_tables, ctypes.c_size_t, [ctypes.c_void_p]),
+        (lib.bpf_table_name, ctypes.c_char_p, [ctypes.c_void_p, ctypes.c_size_t]),
+        (lib.bpf_table_fd_id, ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]),
+        (lib.bpf_table_key_desc_id, ctypes.c_char_p, [ctypes.c_void_p, ctypes.c_size_t]),
+        (lib.bpf_table_leaf_desc_id, ctypes.c_char_p, [ctypes.c_void_p, ctypes.c_size_t]),
+    ):
+        fn.restype, fn.argtypes = res, args
+    maps: list[MapSpec] = []
+    fd_index: dict[int, int] = {}
+    for i in range(lib.bpf_num_tables(module)):
+        fd = lib.bpf_table_fd_id(module, i)
+        if fd < 0:
+            continue
+        info = _obj_info(fd, _MAP_INFO_SIZE)
+        kind, _id, key_size, value_size, max_entries, flags = struct.unpack_from("<6I", info)
+        fd_index[fd] = len(maps)
+        maps.append(
+            MapSpec(
+                name=lib.bpf_table_name(module, i).decode(),
+                kernel_name=info[24:40].split(b"\0", 1)[0].decode(),
+                type=kind,
+                key_size=key_size,
+                value_size=value_size,
+                max_entries=max_entries,
+                flags=flags,
+                key_desc=(lib.bpf_table_key_desc_id(module, i) or b"").decode(),
+                leaf_desc=(lib.bpf_table_leaf_desc_id(module, i) or b"").decode(),
+            )
+        )
+    funcs = {}
+    for i in range(lib.bpf_num_functions(module)):
+        name = lib.bpf_function_name(module, i)
+        insns = ctypes.string_at(
+            lib.bpf_function_start(module, name), lib.bpf_function_size(module, name)
+        )
+        funcs[name.decode()] = FuncSpec(insns, _map_refs(name.decode(), insns, fd_index))
+    return Entry(
+        key=key,
+        license=lib.bpf_module_license(module).decode(),
+        kern_version=int(lib.bpf_module_kern_version(module)),
+        maps=tuple(maps),
+        funcs=funcs,
+    )
+
+
+def _map_refs(name: str, insns: bytes, fd_index: dict[int, int]) -> tuple[tuple[int, int], ...]:
+    """Where the program names a map by fd; any other kind of relocation cannot be replayed."""
+    refs = []
+    i = 0
+    while i < len(insns) // _INSN:
+        code, regs, _off, imm = struct.unpack_from("<BBhi", insns, i * _INSN)
+        if code == _LD_IMM64:
+            src = regs >> 4
+            if src == _PSEUDO_MAP_FD:
+                if imm not in fd_index:
+                    raise CompileError(f"{name}: instruction {i} names fd {imm}, not a map")
+                refs.append((i, fd_index[imm]))
+            elif src not in (0, _PSEUDO_FUNC):
+                raise CompileError(f"{name}: instruction {i}: ld_imm64 kind {src} is not kept")
+            i += 2
+        else:
+            i += 1
+    return tuple(refs)
+
+
+def _obj_info(fd: int, size: int) -> bytes:
+    """BPF_OBJ_GET_INFO_BY_FD into a `size`-byte info struct."""
+    info = ctypes.create_string_buffer(size)
+    attr = ctypes.create_string_buffer(16)
+    struct.pack_into("<IIQ", attr, 0, fd, size, ctypes.addressof(info))
+    res, err = bpf_syscall(_BPF_OBJ_GET_INFO_BY_FD, attr)
+    if res < 0:
+        raise CompileError(f"BPF_OBJ_GET_INFO_BY_FD: {os.strerror(err)}")
+    return info.raw
+
+
+def _compile_here(text: str, cflags: list[str], key: str) -> Entry:
+    from bcc import BPF
+
+    class CompileOnly(BPF):
+        def _trace_autoload(self) -> None:  # keep the compile; load nothing
+            pass
+
+    try:
+        bpf = CompileOnly(text=text.encode(), cflags=cflags)
+    except Exception as exc:
+        raise CompileError(str(exc)) from exc
+    try:
+        return extract(bpf, key)
+    finally:
+        bpf.cleanup()
+
+
+def _child_main() -> int:
+    """`python -m tracejoin.kernel.compiled OUT`: compile the text on stdin ({"text", "cflags",
+    "key"} as JSON) and write the entry to OUT. Exit 2 with the reason on stderr if not."""
+    job = json.load(sys.stdin)
+    try:
+        entry = _compile_here(job["text"], job["cflags"], job["key"])
+    except CompileError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    Path(sys.argv[1]).write_bytes(entry.to_bytes())
+    return 0
+
+
+# ---------------------------------------------------------------------- the agent's side
+
+
+@dataclass
+class Obtained:
+    entry: Entry
+    source: str  # "cache": an entry on disk; "compiled": compiled in a child for this start
+    path: Path | None  # where the entry is kept (None: not kept)
+    compile_peak_bytes: int  # the child's peak resident memory (0 from the cache)
+
+
+def obtain(text: str, cflags: list[str], cache_dir: Path | None) -> Obtained:
+    """The compiled form of `text`: the cache's entry for it, or one compiled now in a child
+    process (and kept in cache_dir when there is one and it is safe to write)."""
+    key = cache_key(text, cflags)
+    usable = cache_dir is not None and _private_dir(cache_dir)
+    path = cache_dir / f"{key}.bpf.json" if usable and cache_dir is not None else None
+    if path is not None:
+        entry = _read_entry(path, key)
+        if entry is not None:
+            _touch(path)  # recently used: kept when the cache is pruned
+            return Obtained(entry, "cache", path, 0)
+    with tempfile.TemporaryDirectory(prefix="tracejoin-compile-") as tmp:
+        out = Path(tmp) / "entry.json"
+        entry, peak = _compile_in_child(text, cflags, key, out)
+        if path is not None:
+            _write_atomically(path, out.read_bytes())
+    return Obtained(entry, "compiled", path, peak)
+
+
+def _compile_in_child(text: str, cflags: list[str], key: str, out: Path) -> tuple[Entry, int]:
+    job = json.dumps({"text": text, "cflags": cflags, "key": key})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tracejoin.kernel.compiled", str(out)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    _, stderr = proc.communicate(job.encode())
+    peak = _children_peak()
+    if proc.returncode != 0:
+        lines = stderr.decode(errors="replace").strip().splitlines()
+        raise CompileError("\n".join(lines[-40:]) or f"compiler exited {proc.returncode}")
+    return Entry.from_bytes(out.read_bytes()), peak
+
+
+def _children_peak() -> int:
+    """The largest peak RSS of this process's reaped children (getrusage): the compile's, the
+    only child the agent waits for at start-up."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+
+
+def _private_dir(path: Path) -> bool:
+    """Make the cache directory if needed; usable only when it is ours and no one else can
+    write it (an entry's programs run in the kernel)."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+    except OSError as exc:
+        log.warning("BPF cache %s unusable (%s): compiling without keeping it", path, exc)
+        return False
+    if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        log.warning("BPF cache %s is writable by others or not owned by this user: not used", path)
+        return False
+    return True
+
+
+def _read_entry(path: Path, key: str) -> Entry | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("BPF cache entry %s unreadable (%s): compiling", path, exc)
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            log.warning("BPF cache entry %s is writable by others: compiling", path)
+            return None
+        raw = f.read()
+    try:
+        entry = Entry.from_bytes(raw)
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("BPF cache entry %s is damaged (%s): compiling", path, exc)
+        return None
+    if entry.key != key:
+        log.warning("BPF cache entry %s is for another text: compiling", path)
+        return None
+    return entry
+
+
+def _write_atomically(path: Path, raw: bytes) -> None:
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".entry-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("BPF cache entry %s not written (%s): the next start compiles", path, exc)
+        return
+    _prune(path.parent)
+
+
+def _touch(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.utime(path)
+
+
+def _prune(cache_dir: Path, keep: int = KEEP_ENTRIES) -> None:
+    """Remove all but the `keep` most recently used entries: every upgrade of tracejoin or of
+    the kernel, and every change of settings that changes the programs, makes a new one."""
+    try:
+        entries = sorted(
+            cache_dir.glob("*.bpf.json"), key=lambda p: p.stat().st_mtime, reverse=True
+        )
+        for old in entries[keep:]:
+            old.unlink()
+    except OSError as exc:  # a concurrent prune or start: harmless, the next write retries
+        log.debug("BPF cache prune: %s", exc)
+
+
+class CachedBPFError(RuntimeError):
+    pass
+
+
+def cached_bpf(entry: Entry) -> Any:
+    """A bcc.BPF over an entry: its maps created, no program loaded yet (autoload() loads and
+    attaches the tracepoint programs, as BCC's constructor would have)."""
+    from bcc import BPF
+    from bcc import table as bcc_table
+    from bcc.libbcc import lib
+
+    prog_load = lib.bcc_prog_load
+    prog_load.restype = ctypes.c_int
+    prog_load.argtypes = [
+        ctypes.c_int,  # enum bpf_prog_type
+        ctypes.c_char_p,  # name
+        ctypes.c_void_p,  # insns
+        ctypes.c_int,  # prog_len, in bytes
+        ctypes.c_char_p,  # license
+        ctypes.c_uint,  # kern_version
+        ctypes.c_int,  # log_level
+        ctypes.c_char_p,  # log_buf
+        ctypes.c_uint,  # log_buf_size
+    ]
+    table_classes = {
+        1: bcc_table.HashTable,
+        2: bcc_table.Array,
+        3: bcc_table.ProgArray,
+        4: bcc_table.PerfEventArray,
+        5: bcc_table.PerCpuHash,
+        6: bcc_table.PerCpuArray,
+        9: bcc_table.LruHash,
+        10: bcc_table.LruPerCpuHash,
+        27: bcc_table.RingBuf,
+    }
+
+    class CachedBPF(BPF):
+        def __init__(self, entry: Entry) -> None:
+            # What BPF.__init__ sets up, without its compile (bcc/__init__.py, 0.26)
+            self.kprobe_fds: dict[Any, Any] = {}
+            self.uprobe_fds: dict[Any, Any] = {}
+            self.tracepoint_fds: dict[Any, Any] = {}
+            self.raw_tracepoint_fds: dict[Any, Any] = {}
+            self.kfunc_entry_fds: dict[Any, Any] = {}
+            self.kfunc_exit_fds: dict[Any, Any] = {}
+            self.lsm_fds: dict[Any, Any] = {}
+            self.perf_buffers: dict[Any, Any] = {}
+            self.open_perf_events: dict[Any, Any] = {}
+            self._ringbuf_manager = None
+            self.tracefile = None
+            self.debug = 0
+            self.funcs: dict[bytes, Any] = {}
+            self.tables: dict[bytes, Any] = {}
+            self.module = None
+            self._entry = entry
+            self._map_ids = {spec.name: i for i, spec in enumerate(entry.maps)}
+            self._btf_fd = -1
+            self._map_fds: list[int] = []
+            try:
+                sizes = sorted({m.value_size for m in entry.maps if m.type in _STORAGE_MAP_TYPES})
+                self._btf_fd = _load_btf(storage_btf(sizes)) if sizes else -1
+                for spec in entry.maps:
+                    value_type = 3 + sizes.index(spec.value_size) if spec.value_size in sizes else 0
+                    btf = (self._btf_fd, 1, value_type) if spec.type in _STORAGE_MAP_TYPES else None
+                    self._map_fds.append(_create_map(spec, btf))
+            except Exception:
+                self._close_maps()
+                raise
+            import atexit
+
+            atexit.register(self.cleanup)
+
+        def autoload(self) -> None:
+            """Load and attach the tracepoint programs, as BCC's constructor does for a
+            compiled module (BPF._trace_autoload)."""
+            for name in self._entry.funcs:
+                raw = name.encode()
+                if name.startswith("tracepoint__"):
+                    tp = raw[len(b"tracepoint__") :].replace(b"__", b":")
+                    self.attach_tracepoint(tp=tp, fn_name=self.load_func(raw, BPF.TRACEPOINT).name)
+                elif name.startswith("raw_tracepoint__"):
+                    tp = raw[len(b"raw_tracepoint__") :]
+                    self.attach_raw_tracepoint(
+                        tp=tp, fn_name=self.load_func(raw, BPF.RAW_TRACEPOINT).name
+                    )
+
+        def load_func(
+            self, func_name: Any, prog_type: int, device: Any = None, attach_type: int = -1
+        ) -> Any:
+            name = func_name if isinstance(func_name, bytes) else func_name.encode()
+            if name in self.funcs:
+                return self.funcs[name]
+            spec = self._entry.funcs.get(name.decode())
+            if spec is None:
+                raise Exception(f"Unknown program {name.decode()}")
+            insns = ctypes.create_string_buffer(spec.insns, len(spec.insns))
+            for at, idx in spec.map_refs:
+                struct.pack_into("<i", insns, at * _INSN + 4, self._map_fds[idx])
+            fd = prog_load(
+                prog_type,
+                name,
+                insns,
+                len(spec.insns),
+                self._entry.license.encode(),
+                self._entry.kern_version,
+                0,
+                None,
+                0,
+            )
+            if fd < 0:
+                why = os.strerror(ctypes.get_errno() or errno.EINVAL)
+                raise Exception(f"Failed to load BPF program {name.decode()}: {why}")
+            fn = BPF.Function(self, name, fd)
+            self.funcs[name] = fn
+            return fn
+
+        def get_table(
+            self, name: Any, keytype: Any = None, leaftype: Any = None, reducer: Any = None
+        ) -> Any:
+            name = name if isinstance(name, bytes) else name.encode()
+            map_id = self._map_ids.get(name.decode())
+            if map_id is None:
+                raise KeyError(name)
+            spec = self._entry.maps[map_id]
+            cls = table_classes.get(spec.type)
+            if cls is None:
+                raise Exception(f"map {spec.name}: type {spec.type} has no table here")
+            key = keytype or BPF._decode_table_type(json.loads(spec.key_desc))
+            leaf = leaftype or BPF._decode_table_type(json.loads(spec.leaf_desc))
+            fd = self._map_fds[map_id]
+            args = (self, map_id, fd, key, leaf)
+            if cls in (bcc_table.PerfEventArray, bcc_table.RingBuf):
+                t = cls(*args, name)
+            elif cls in (bcc_table.PerCpuArray, bcc_table.PerCpuHash):
+                t = cls(*args, reducer=reducer)
+            else:
+                t = cls(*args)
+            # TableBase read these from the module, which an entry has not
+            t.ttype, t.flags, t.max_entries = spec.type, spec.flags, spec.max_entries
+            return t
+
+        def close(self) -> None:
+            super().close()
+            self._close_maps()
+
+        def _close_maps(self) -> None:
+            for fd in self._map_fds:
+                os.close(fd)
+            self._map_fds = []
+            if self._btf_fd >= 0:
+                os.close(self._btf_fd)
+                self._btf_fd = -1
+
+    return CachedBPF(entry)
+
+
+def storage_btf(value_sizes: list[int]) -> bytes:
+    """The BTF a local storage map needs: its key an `int` (type 1), its value (type 3 + i, for
+    value_sizes[i]) an array of that many bytes (type 2: char). The kernel checks only that the
+    key is a 32-bit int and the value's size; BCC's own BTF for the module would need
+    BPF_BTF_GET_FD_BY_ID (CAP_SYS_ADMIN) to read back, which the agent does not have."""
+    strings = b"\0int\0char\0"
+    kind_int, kind_array = 1 << 24, 3 << 24
+    types = struct.pack("<IIII", 1, kind_int, 4, (1 << 24) | 32)  # [1] int: signed, 32 bits
+    types += struct.pack("<IIII", 5, kind_int, 1, 8)  # [2] char: 8 bits
+    for size in value_sizes:  # [3 + i] char[size]: btf_array {type, index_type, nelems}
+        types += struct.pack("<III", 0, kind_array, 0) + struct.pack("<III", 2, 1, size)
+    header = struct.pack("<HBBIIIII", 0xEB9F, 1, 0, 24, 0, len(types), len(types), len(strings))
+    return header + types + strings
+
+
+def _load_btf(blob: bytes) -> int:
+    buf = ctypes.create_string_buffer(blob, len(blob))
+    attr = ctypes.create_string_buffer(32)
+    # union bpf_attr for BPF_BTF_LOAD: u64 btf, u64 btf_log_buf, u32 btf_size, ...; no log: the
+    # kernel checked this blob when the compile loaded it
+    struct.pack_into("<QQI", attr, 0, ctypes.addressof(buf), 0, len(blob))
+    fd, err = bpf_syscall(_BPF_BTF_LOAD, attr)
+    if fd < 0:
+        raise CachedBPFError(f"BPF_BTF_LOAD: {os.strerror(err)}")
+    return fd
+
+
+def _create_map(spec: MapSpec, btf: tuple[int, int, int] | None) -> int:
+    """BPF_MAP_CREATE as BCC did it; btf: (fd, key type id, value type id) where needed."""
+    attr = ctypes.create_string_buffer(72)
+    struct.pack_into(
+        "<5I", attr, 0, spec.type, spec.key_size, spec.value_size, spec.max_entries, spec.flags
+    )
+    # map_name[16] after inner_map_fd and numa_node
+    struct.pack_into("16s", attr, 28, spec.kernel_name.encode()[:15])
+    if btf is not None:
+        struct.pack_into("<3I", attr, 48, *btf)
+    fd, err = bpf_syscall(_BPF_MAP_CREATE, attr)
+    if fd < 0:
+        raise CachedBPFError(f"map {spec.name}: BPF_MAP_CREATE: {os.strerror(err)}")
+    return fd
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main())

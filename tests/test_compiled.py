@@ -1,0 +1,159 @@
+"""The probes' compiled form (agent/kernel/compiled.py): compiled in a child process, kept in a
+root-only cache, and loaded by later starts without compiling; what a cached start traces is
+what a compiled one does."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+
+import pytest
+from harness import Agent, free_ports, new_traceparent, raw_request, server
+from tracejoin.kernel import compiled
+from tracejoin.kernel.compiled import CompileError, Entry, FuncSpec, MapSpec
+from tracejoin.kernel.probes import ProbeConfig
+
+
+def _insn(code: int, src: int = 0, imm: int = 0) -> bytes:
+    return struct.pack("<BBhi", code, src << 4, 0, imm)
+
+
+def _entry(key: str = "k") -> Entry:
+    spec = MapSpec("counters", "counters", 6, 4, 8, 64, 0, '"int"', '"unsigned long long"')
+    insns = _insn(0x18, 1, 7) + _insn(0) + _insn(0x95)
+    return Entry(key, "GPL", 0, (spec,), {"f": FuncSpec(insns, ((0, 0),))})
+
+
+def test_an_entry_reads_back_as_written():
+    entry = _entry()
+    assert Entry.from_bytes(entry.to_bytes()) == entry
+
+
+def test_map_references_are_found_and_other_relocations_refused():
+    """ld_imm64 naming a map by fd is replayed with the new map's fd; a subprogram reference
+    needs nothing; anything else (a map value, a kernel symbol) cannot be replayed."""
+    insns = _insn(0xB7) + _insn(0x18, 1, 9) + _insn(0) + _insn(0x18, 4, 3) + _insn(0)
+    insns += _insn(0x18, 1, 12) + _insn(0) + _insn(0x95)
+    assert compiled._map_refs("p", insns, {9: 0, 12: 1}) == ((1, 0), (5, 1))
+    with pytest.raises(CompileError, match="fd 12, not a map"):
+        compiled._map_refs("p", insns, {9: 0})
+    with pytest.raises(CompileError, match="ld_imm64 kind 2"):
+        compiled._map_refs("p", _insn(0x18, 2, 9) + _insn(0), {9: 0})
+
+
+def test_the_key_covers_the_text_and_the_flags():
+    base = compiled.cache_key("int x;", ["-DA"])
+    assert base == compiled.cache_key("int x;", ["-DA"])
+    assert base != compiled.cache_key("int y;", ["-DA"])
+    assert base != compiled.cache_key("int x;", ["-DB"])
+
+
+def test_an_entry_is_used_only_from_a_directory_and_file_no_one_else_can_write(tmp_path):
+    """Its programs run in the kernel: a cache others can write is a way in."""
+    entry = _entry()
+    cache = tmp_path / "cache"
+    assert compiled._private_dir(cache)
+    assert cache.stat().st_mode & 0o777 == 0o700
+    path = cache / "e.bpf.json"
+    path.write_bytes(entry.to_bytes())
+    path.chmod(0o600)
+    assert compiled._read_entry(path, "k") == entry
+    path.chmod(0o666)
+    assert compiled._read_entry(path, "k") is None
+    path.chmod(0o600)
+    cache.chmod(0o777)
+    assert not compiled._private_dir(cache)
+
+
+def test_a_damaged_or_foreign_entry_is_not_used(tmp_path):
+    path = tmp_path / "e.bpf.json"
+    path.write_bytes(b'{"format": 1, "key": "k", "btf": "not base64')
+    assert compiled._read_entry(path, "k") is None
+    path.write_bytes(_entry("other").to_bytes())
+    assert compiled._read_entry(path, "k") is None  # named for one text, made from another
+    path.write_bytes(_entry().to_bytes().replace(b'"format":1', b'"format":0'))
+    assert compiled._read_entry(path, "k") is None  # an older tracejoin's
+
+
+def test_the_cache_keeps_the_most_recently_used_entries(tmp_path):
+    for i in range(5):
+        p = tmp_path / f"{i}.bpf.json"
+        p.write_bytes(b"{}")
+        os.utime(p, (1000 + i, 1000 + i))
+    compiled._prune(tmp_path, keep=3)
+    assert sorted(p.name for p in tmp_path.glob("*.bpf.json")) == [
+        "2.bpf.json",
+        "3.bpf.json",
+        "4.bpf.json",
+    ]
+
+
+@pytest.mark.privileged
+def test_a_compile_error_carries_the_compilers_message(require_root):
+    with pytest.raises(CompileError, match="error"):
+        compiled.obtain("int broken( {", [], None)
+
+
+def _traced(agent: Agent, port: int) -> tuple[int, int]:
+    tp, trace_id, parent = new_traceparent()
+    raw_request(
+        port,
+        f"GET /c HTTP/1.1\r\nHost: t\r\ntraceparent: {tp}\r\nConnection: close\r\n\r\n".encode(),
+    )
+    spans = agent.server_spans(trace_id)
+    assert len(spans) == 1, f"no span for the request through port {port}"
+    return spans[0].parent_span_id, parent
+
+
+@pytest.mark.privileged
+def test_a_start_from_the_cache_traces_as_the_compiling_start_did(require_root, tmp_path):
+    """The first start compiles in a child and keeps the result; the second loads it without
+    compiling. Both trace a real request into its caller's trace; the second never ran the
+    compiler (no child's peak)."""
+    cache = tmp_path / "bpf"
+    (port,) = free_ports(1)
+    seen = []
+    with server("threaded", port):
+        for _ in range(2):
+            agent = Agent(
+                [port], None, probe_config=ProbeConfig(ports=(port,), bpf_cache_dir=cache)
+            )
+            agent.start()
+            try:
+                status = agent.source.status
+                got_parent, sent_parent = _traced(agent, port)
+                bpf = agent.source._bpf
+                assert bpf is not None
+                agent_tgid = bpf[b"agent_tgid"][ctypes.c_int(0)].value
+                seen.append((status.bpf_source, status.compile_peak_bytes))
+            finally:
+                agent.shutdown()
+            assert got_parent == sent_parent
+            assert agent_tgid == os.getpid()  # the work set leaves the agent's threads out
+    (first_source, first_peak), (second_source, second_peak) = seen
+    assert (first_source, second_source) == ("compiled", "cache")
+    assert first_peak > 50 * 2**20 and second_peak == 0
+    entries = list(cache.glob("*.bpf.json"))
+    assert len(entries) == 1 and entries[0].stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.privileged
+def test_a_damaged_cache_entry_is_compiled_again(require_root, tmp_path):
+    cache = tmp_path / "bpf"
+    (port,) = free_ports(1)
+    with server("threaded", port):
+        agent = Agent([port], None, probe_config=ProbeConfig(ports=(port,), bpf_cache_dir=cache))
+        agent.start()
+        agent.shutdown()
+        (entry,) = cache.glob("*.bpf.json")
+        entry.write_bytes(entry.read_bytes()[:1000])  # cut short: a crash mid-write elsewhere
+        agent = Agent([port], None, probe_config=ProbeConfig(ports=(port,), bpf_cache_dir=cache))
+        agent.start()
+        try:
+            assert agent.source.status.bpf_source == "compiled"
+            got_parent, sent_parent = _traced(agent, port)
+            assert got_parent == sent_parent
+        finally:
+            agent.shutdown()
+    assert Entry.from_bytes(entry.read_bytes()).key == entry.name.split(".")[0]
