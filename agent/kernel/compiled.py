@@ -471,18 +471,30 @@ def cached_bpf(entry: Entry) -> Any:
 
             atexit.register(self.cleanup)
 
-        def autoload(self) -> None:
-            """Load and attach the tracepoint programs, as BCC's constructor does for a
-            compiled module (BPF._trace_autoload)."""
-            for name in self._entry.funcs:
-                raw = name.encode()
+        def autoload_programs(self) -> list[tuple[str, int]]:
+            """The programs BCC's constructor would load and attach by their names
+            (BPF._trace_autoload): (name, program type), the largest first (loaded
+            concurrently, the longest verifications should start first)."""
+            out = []
+            funcs = self._entry.funcs
+            for name in sorted(funcs, key=lambda n: -len(funcs[n].insns)):
                 if name.startswith("tracepoint__"):
-                    tp = raw[len(b"tracepoint__") :].replace(b"__", b":")
-                    self.attach_tracepoint(tp=tp, fn_name=self.load_func(raw, BPF.TRACEPOINT).name)
+                    out.append((name, BPF.TRACEPOINT))
                 elif name.startswith("raw_tracepoint__"):
-                    tp = raw[len(b"raw_tracepoint__") :]
+                    out.append((name, BPF.RAW_TRACEPOINT))
+            return out
+
+        def autoload(self) -> None:
+            """Load (where not yet loaded) and attach the autoload_programs, as BCC's
+            constructor does for a module it compiled."""
+            for name, kind in self.autoload_programs():
+                fn = self.load_func(name.encode(), kind)
+                if kind == BPF.TRACEPOINT:
+                    tp = fn.name[len(b"tracepoint__") :].replace(b"__", b":")
+                    self.attach_tracepoint(tp=tp, fn_name=fn.name)
+                else:
                     self.attach_raw_tracepoint(
-                        tp=tp, fn_name=self.load_func(raw, BPF.RAW_TRACEPOINT).name
+                        tp=fn.name[len(b"raw_tracepoint__") :], fn_name=fn.name
                     )
 
         def load_func(
