@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+from pathlib import Path
 
 import pytest
 from harness import Agent, free_ports, new_traceparent, raw_request, server
@@ -157,3 +158,31 @@ def test_a_damaged_cache_entry_is_compiled_again(require_root, tmp_path):
         finally:
             agent.shutdown()
     assert Entry.from_bytes(entry.read_bytes()).key == entry.name.split(".")[0]
+
+
+@pytest.mark.privileged
+def test_a_loaded_program_has_its_full_name_and_a_refused_one_says_why(require_root):
+    """The kernel keeps 15 bytes of a program's name; the BTF made for the entry names it in
+    full (what bpftool and the bench show). A program the verifier refuses fails with the
+    verifier's own words, not only an errno."""
+    import json
+    import subprocess
+
+    from bcc import BPF
+
+    long_name = "tracepoint__syscalls__sys_enter_getppid"
+    ok = FuncSpec(_insn(0xB7) + _insn(0x95), ())  # r0 = 0; exit
+    refused = FuncSpec(_insn(0x95), ())  # exit with r0 never set
+    bpf = compiled.cached_bpf(Entry("k", "GPL", 0, (), {long_name: ok, "tracepoint__bad": refused}))
+    try:
+        fd = bpf.load_func(long_name.encode(), BPF.TRACEPOINT).fd
+        fdinfo = Path(f"/proc/self/fdinfo/{fd}").read_text()
+        prog_id = next(ln.split()[1] for ln in fdinfo.splitlines() if ln.startswith("prog_id:"))
+        shown = subprocess.run(
+            ["bpftool", "-j", "prog", "show", "id", prog_id], capture_output=True, text=True
+        )
+        assert json.loads(shown.stdout)["name"] == long_name
+        with pytest.raises(Exception, match="R0 !read_ok"):
+            bpf.load_func(b"tracepoint__bad", BPF.TRACEPOINT)
+    finally:
+        bpf.cleanup()

@@ -10,11 +10,13 @@ compiler and the runtime:
   it keeps, per program, the instructions BCC would load and where they name a map (the
   ld_imm64 BCC relocated to the map's fd); per map, its attributes as the kernel created them,
   and BCC's key/leaf type descriptions.
-- `cached_bpf(entry)` is a `bcc.BPF` made from such an entry: it creates the maps (task
-  storage maps with the minimal BTF the kernel asks of them, `storage_btf`), and loads a
-  program with libbcc's `bcc_prog_load` when it is first asked for (autoloaded tracepoints at
-  `autoload()`, tail calls, perf events and uprobes through BCC's own attach methods, which all
-  ask `load_func`). Tables, the ring buffer, attach, detach and cleanup are BCC's code.
+- `cached_bpf(entry)` is a `bcc.BPF` made from such an entry: it creates the maps and loads a
+  program when it is first asked for, with the same two bpf(2) calls BCC makes
+  (BPF_MAP_CREATE, BPF_PROG_LOAD) and a BTF of our own (`ModuleBtf`: what task storage maps
+  require, and each program's full name). Every program is asked for through BCC's own
+  `load_func` path (autoloaded tracepoints at `autoload()`, tail calls, perf events and CUDA
+  uprobes through BCC's attach methods); tables, the ring buffer, attach, detach and cleanup
+  are BCC's code.
 
 An entry is keyed by everything that decides the compile's output: the rendered C text (the
 knobs, kernel struct offsets from BTF included), the flags, the kernel (release and build), the
@@ -27,7 +29,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import ctypes
-import errno
 import hashlib
 import json
 import logging
@@ -51,6 +52,7 @@ FORMAT = 1  # bump when an entry's content or meaning changes: older entries are
 # bpf(2) commands and instruction encoding (include/uapi/linux/bpf.h)
 _BPF_MAP_CREATE = 0
 _BPF_OBJ_GET_INFO_BY_FD = 15
+_BPF_PROG_LOAD = 5
 _BPF_BTF_LOAD = 18
 _LD_IMM64 = 0x18  # BPF_LD | BPF_IMM | BPF_DW: two instruction slots
 _PSEUDO_MAP_FD = 1  # src_reg of an ld_imm64 whose imm is a map fd
@@ -408,21 +410,7 @@ def cached_bpf(entry: Entry) -> Any:
     attaches the tracepoint programs, as BCC's constructor would have)."""
     from bcc import BPF
     from bcc import table as bcc_table
-    from bcc.libbcc import lib
 
-    prog_load = lib.bcc_prog_load
-    prog_load.restype = ctypes.c_int
-    prog_load.argtypes = [
-        ctypes.c_int,  # enum bpf_prog_type
-        ctypes.c_char_p,  # name
-        ctypes.c_void_p,  # insns
-        ctypes.c_int,  # prog_len, in bytes
-        ctypes.c_char_p,  # license
-        ctypes.c_uint,  # kern_version
-        ctypes.c_int,  # log_level
-        ctypes.c_char_p,  # log_buf
-        ctypes.c_uint,  # log_buf_size
-    ]
     table_classes = {
         1: bcc_table.HashTable,
         2: bcc_table.Array,
@@ -457,12 +445,14 @@ def cached_bpf(entry: Entry) -> Any:
             self._map_ids = {spec.name: i for i, spec in enumerate(entry.maps)}
             self._btf_fd = -1
             self._map_fds: list[int] = []
+            sizes = sorted({m.value_size for m in entry.maps if m.type in _STORAGE_MAP_TYPES})
+            self._btf = ModuleBtf(sizes, list(entry.funcs))
             try:
-                sizes = sorted({m.value_size for m in entry.maps if m.type in _STORAGE_MAP_TYPES})
-                self._btf_fd = _load_btf(storage_btf(sizes)) if sizes else -1
+                self._btf_fd = _load_btf(self._btf.blob)
                 for spec in entry.maps:
-                    value_type = 3 + sizes.index(spec.value_size) if spec.value_size in sizes else 0
-                    btf = (self._btf_fd, 1, value_type) if spec.type in _STORAGE_MAP_TYPES else None
+                    btf = None
+                    if spec.type in _STORAGE_MAP_TYPES:
+                        btf = (self._btf_fd, self._btf.int_id, self._btf.value_ids[spec.value_size])
                     self._map_fds.append(_create_map(spec, btf))
             except Exception:
                 self._close_maps()
@@ -509,20 +499,13 @@ def cached_bpf(entry: Entry) -> Any:
             insns = ctypes.create_string_buffer(spec.insns, len(spec.insns))
             for at, idx in spec.map_refs:
                 struct.pack_into("<i", insns, at * _INSN + 4, self._map_fds[idx])
-            fd = prog_load(
+            fd = _load_program(
                 prog_type,
-                name,
+                name.decode(),
                 insns,
-                len(spec.insns),
-                self._entry.license.encode(),
-                self._entry.kern_version,
-                0,
-                None,
-                0,
+                self._entry,
+                (self._btf_fd, self._btf.func_ids[name.decode()]),
             )
-            if fd < 0:
-                why = os.strerror(ctypes.get_errno() or errno.EINVAL)
-                raise Exception(f"Failed to load BPF program {name.decode()}: {why}")
             fn = BPF.Function(self, name, fd)
             self.funcs[name] = fn
             return fn
@@ -567,19 +550,43 @@ def cached_bpf(entry: Entry) -> Any:
     return CachedBPF(entry)
 
 
-def storage_btf(value_sizes: list[int]) -> bytes:
-    """The BTF a local storage map needs: its key an `int` (type 1), its value (type 3 + i, for
-    value_sizes[i]) an array of that many bytes (type 2: char). The kernel checks only that the
-    key is a 32-bit int and the value's size; BCC's own BTF for the module would need
-    BPF_BTF_GET_FD_BY_ID (CAP_SYS_ADMIN) to read back, which the agent does not have."""
-    strings = b"\0int\0char\0"
-    kind_int, kind_array = 1 << 24, 3 << 24
-    types = struct.pack("<IIII", 1, kind_int, 4, (1 << 24) | 32)  # [1] int: signed, 32 bits
-    types += struct.pack("<IIII", 5, kind_int, 1, 8)  # [2] char: 8 bits
-    for size in value_sizes:  # [3 + i] char[size]: btf_array {type, index_type, nelems}
-        types += struct.pack("<III", 0, kind_array, 0) + struct.pack("<III", 2, 1, size)
-    header = struct.pack("<HBBIIIII", 0xEB9F, 1, 0, 24, 0, len(types), len(types), len(strings))
-    return header + types + strings
+class ModuleBtf:
+    """The BTF a start loads for an entry's maps and programs, made here: BCC's own BTF for the
+    module could be read back only with BPF_BTF_GET_FD_BY_ID (CAP_SYS_ADMIN, which the agent
+    does not hold). Local storage maps need a key `int` and a value of their size (the kernel
+    checks nothing else of them); each program gets a FUNC of its full name, which bpftool and
+    the bench show instead of the kernel's 15-character program name."""
+
+    def __init__(self, storage_value_sizes: list[int], func_names: list[str]) -> None:
+        strings = bytearray(b"\0")
+
+        def name(text: str) -> int:
+            strings.extend(text.encode() + b"\0")
+            return len(strings) - len(text) - 1
+
+        kind = {"int": 1, "array": 3, "func": 12, "func_proto": 13}
+        types = bytearray()
+        self.int_id = 1  # [1] int: signed, 32 bits
+        types += struct.pack("<IIII", name("int"), kind["int"] << 24, 4, (1 << 24) | 32)
+        char_id = 2  # [2] char: 8 bits
+        types += struct.pack("<IIII", name("char"), kind["int"] << 24, 1, 8)
+        next_id = 3
+        self.value_ids: dict[int, int] = {}
+        for size in storage_value_sizes:  # char[size]: btf_array {type, index_type, nelems}
+            types += struct.pack("<III", 0, kind["array"] << 24, 0)
+            types += struct.pack("<III", char_id, self.int_id, size)
+            self.value_ids[size] = next_id
+            next_id += 1
+        proto_id = next_id  # int (void): every program's, its context as BCC declares it unnamed
+        types += struct.pack("<III", 0, kind["func_proto"] << 24, self.int_id)
+        next_id += 1
+        self.func_ids: dict[str, int] = {}
+        for func in func_names:  # static linkage: the kernel checks no arguments
+            types += struct.pack("<III", name(func), kind["func"] << 24, proto_id)
+            self.func_ids[func] = next_id
+            next_id += 1
+        header = struct.pack("<HBBIIIII", 0xEB9F, 1, 0, 24, 0, len(types), len(types), len(strings))
+        self.blob = header + bytes(types) + bytes(strings)
 
 
 def _load_btf(blob: bytes) -> int:
@@ -592,6 +599,56 @@ def _load_btf(blob: bytes) -> int:
     if fd < 0:
         raise CachedBPFError(f"BPF_BTF_LOAD: {os.strerror(err)}")
     return fd
+
+
+_LOG_BYTES = 1 << 22  # a failed load is loaded again with the verifier's log, its tail shown
+_PREFIXES = ("tracepoint__", "raw_tracepoint__", "kprobe__", "kretprobe__")
+
+
+def _load_program(
+    prog_type: int,
+    name: str,
+    insns: ctypes.Array[ctypes.c_char],
+    entry: Entry,
+    btf: tuple[int, int],
+) -> int:
+    """BPF_PROG_LOAD as BCC's load_func does it (the kernel's name: the function's, its
+    autoload prefix dropped, cut to 15 bytes), with one func_info naming the program in full;
+    a refusal is retried with the verifier's log, whose tail is in the error."""
+    license = ctypes.create_string_buffer(entry.license.encode())
+    short = next((name[len(p) :] for p in _PREFIXES if name.startswith(p)), name)
+    btf_fd, func_id = btf
+    func_info = (ctypes.c_uint32 * 2)(0, func_id)  # bpf_func_info {insn_off, type_id}
+    log = ctypes.create_string_buffer(0)
+    for log_level in (0, 1):
+        if log_level:
+            log = ctypes.create_string_buffer(_LOG_BYTES)
+        attr = ctypes.create_string_buffer(120)
+        struct.pack_into(
+            "<IIQQIIQII16s",
+            attr,
+            0,
+            prog_type,
+            len(insns) // _INSN,
+            ctypes.addressof(insns),
+            ctypes.addressof(license),
+            log_level,
+            len(log) if log_level else 0,
+            ctypes.addressof(log) if log_level else 0,
+            entry.kern_version,
+            0,  # prog_flags
+            short.encode()[:15],
+        )
+        # prog_btf_fd, func_info_rec_size, func_info, func_info_cnt
+        struct.pack_into("<IIQI", attr, 72, btf_fd, 8, ctypes.addressof(func_info), 1)
+        fd, err = bpf_syscall(_BPF_PROG_LOAD, attr)
+        if fd >= 0:
+            return fd
+    tail = log.value.decode(errors="replace").strip().splitlines()[-12:]
+    raise Exception(
+        f"Failed to load BPF program {name}: {os.strerror(err)}"
+        + ("\n" + "\n".join(tail) if tail else "")
+    )
 
 
 def _create_map(spec: MapSpec, btf: tuple[int, int, int] | None) -> int:
