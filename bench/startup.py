@@ -91,9 +91,9 @@ what = (
 )
 rows.append((what, spent["obtain"], spent["obtain mem"]))
 rows.append(("create the maps", spent["maps"], spent["maps mem"]))
-rows.append(("autoload: verify + attach the tracepoint programs", spent["autoload"], {}))
 rest = whole - spent["obtain"] - spent["maps"] - spent["autoload"] - spent["release"]
-rows.append(("rest of start(): tail-call loads (concurrent), perf events, ring", rest, status()))
+rows.append(("verify every HTTP/1.x program at once; perf events, ring", rest, status()))
+rows.append(("autoload: attach the tracepoint programs", spent["autoload"], {}))
 rows.append(("release_compiler_code(): clang/LLVM code unmapped", spent["release"], status()))
 rows.append(("start() in all", whole, {}))
 p.shutdown()
