@@ -75,6 +75,8 @@ def test_a_damaged_or_foreign_entry_is_not_used(tmp_path):
     assert compiled._read_entry(path, "k") is None  # named for one text, made from another
     path.write_bytes(_entry().to_bytes().replace(b'"format":1', b'"format":0'))
     assert compiled._read_entry(path, "k") is None  # an older tracejoin's
+    path.write_bytes(b"[]")
+    assert compiled._read_entry(path, "k") is None  # JSON, but not an entry
 
 
 def test_the_cache_keeps_the_most_recently_used_entries(tmp_path):

@@ -308,27 +308,25 @@ def obtain(text: str, cflags: list[str], cache_dir: Path | None) -> Obtained:
 
 
 def _compile_in_child(text: str, cflags: list[str], key: str, out: Path) -> tuple[Entry, int]:
-    job = json.dumps({"text": text, "cflags": cflags, "key": key})
+    """Run the compile in a child and return its entry and the child's own peak RSS (its
+    rusage, from wait4: the agent reaps it itself rather than through Popen)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "tracejoin.kernel.compiled", str(out)],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
-    _, stderr = proc.communicate(job.encode())
-    peak = _children_peak()
+    assert proc.stdin is not None and proc.stderr is not None
+    with proc.stdin:  # the child reads all of it before it writes anything
+        proc.stdin.write(json.dumps({"text": text, "cflags": cflags, "key": key}).encode())
+    with proc.stderr:
+        stderr = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         lines = stderr.decode(errors="replace").strip().splitlines()
         raise CompileError("\n".join(lines[-40:]) or f"compiler exited {proc.returncode}")
-    return Entry.from_bytes(out.read_bytes()), peak
-
-
-def _children_peak() -> int:
-    """The largest peak RSS of this process's reaped children (getrusage): the compile's, the
-    only child the agent waits for at start-up."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return Entry.from_bytes(out.read_bytes()), usage.ru_maxrss * 1024
 
 
 def _private_dir(path: Path) -> bool:
@@ -362,7 +360,7 @@ def _read_entry(path: Path, key: str) -> Entry | None:
         raw = f.read()
     try:
         entry = Entry.from_bytes(raw)
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         log.warning("BPF cache entry %s is damaged (%s): compiling", path, exc)
         return None
     if entry.key != key:
