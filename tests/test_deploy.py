@@ -42,7 +42,7 @@ import yaml
 from hostile import Conn, get_bytes, new_sent, parse_prometheus
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
-from tracejoin.config import ConfigError, load_file
+from tracejoin.config import ConfigError, Settings, load_file
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "deploy" / "helm" / "tracejoin"
@@ -602,6 +602,26 @@ def test_config_accepted_by_agent(rendered: Rendered, tmp_path: Path) -> None:
     assert c.get("args", []) in ([], ["run", "--config", CONFIG_FILE])
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     assert mounts[CONFIG_DIR]["readOnly"] is True
+
+
+def test_bpf_cache_is_kept_on_the_node_unless_switched_off(
+    helm: Path, rendered: Rendered, tmp_path: Path
+) -> None:
+    """The compiled probes go to the one writable host directory, where `--bpf-cache`'s
+    default (/var/cache/tracejoin/bpf) lies; the chart's `bpfCache.hostPath: ""` mounts
+    nothing and tells the agent to keep nothing (it compiles at every start)."""
+    mounts = {m["mountPath"]: m for m in rendered.container["volumeMounts"]}
+    assert Settings().bpf_cache.startswith(BPF_CACHE_HOST_DIR + "/")
+    assert BPF_CACHE_HOST_DIR in mounts and not mounts[BPF_CACHE_HOST_DIR].get("readOnly")
+    if rendered.name != "chart-defaults":
+        return
+    off = _render_chart(helm, tmp_path / "off.yaml", "off", {"bpfCache": {"hostPath": ""}})
+    paths = {v["hostPath"]["path"] for v in off.pod["volumes"] if "hostPath" in v}
+    assert BPF_CACHE_HOST_DIR not in paths
+    assert all(m["mountPath"] != BPF_CACHE_HOST_DIR for m in off.container["volumeMounts"])
+    config = tmp_path / "config.yaml"
+    config.write_text(off.config_text())
+    assert load_file(config, "run")["bpf_cache"] == ""
 
 
 def test_metrics_service(rendered: Rendered) -> None:

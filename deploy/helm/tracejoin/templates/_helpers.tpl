@@ -66,6 +66,9 @@ prefixes, no repeats. Why each: docs/operations.md, "Privileges". */}}
 {{- define "tracejoin.config" -}}
 {{- $cfg := deepCopy (default (dict) .Values.config) }}
 {{- $_ := set $cfg "metrics_port" (int .Values.metricsPort) }}
+{{- if not .Values.bpfCache.hostPath }}
+{{- $_ := set $cfg "bpf_cache" "" }}
+{{- end }}
 {{- toYaml $cfg }}
 {{- end }}
 
