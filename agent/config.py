@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import click
 import yaml
 from click.core import ParameterSource
+from tracejoin.kernel.compiled import DEFAULT_CACHE_DIR
 
 T = TypeVar("T")
 ENV = "TRACEJOIN_"
@@ -199,7 +200,7 @@ class Settings:
         ENV + "CPU_BUDGET",
     )
     bpf_cache: str = option(
-        "/var/cache/tracejoin/bpf",
+        str(DEFAULT_CACHE_DIR),
         str,
         "Directory (root's, not writable by others) where the compiled probes are kept: a "
         "later start on the same kernel loads them instead of compiling (seconds, and the "

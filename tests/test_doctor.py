@@ -41,6 +41,7 @@ from tracejoin.host.doctor import (
     Status,
     _from_gpu_probe,
     _privilege_gaps,
+    check_bpf_cache,
     check_ring_reader,
     check_span_encoder,
     check_traceparent_reader,
@@ -421,3 +422,23 @@ def test_the_build_checks_say_which_path_runs(monkeypatch, check, module, says):
     fallback = check()
     assert fallback.status is Status.FALLBACK
     assert says in fallback.detail and fallback.fix and "gcc" in fallback.fix
+
+
+def test_bpf_cache_check_says_whether_starts_keep_and_load_the_compiled_probes(tmp_path):
+    """Not there yet: fine, the first start makes it. Kept entries: counted. A directory
+    others can write: every start compiles (a fallback, named with the fix), and nothing in
+    it is loaded. The check changes nothing on disk."""
+    cache = tmp_path / "bpf"
+    c = check_bpf_cache(cache)
+    assert c.status == Status.AVAILABLE and "nothing kept yet" in c.detail
+    assert not cache.exists()
+    cache.mkdir(mode=0o700)
+    for name in ("a", "b"):
+        (cache / f"{name}.bpf.json").write_bytes(b"{}")
+    c = check_bpf_cache(cache)
+    assert c.status == Status.AVAILABLE and "2 kept" in c.detail and c.data["entries"] == 2
+    cache.chmod(0o777)
+    c = check_bpf_cache(cache)
+    assert c.status == Status.FALLBACK and "every start compiles" in c.detail
+    assert c.fix and "0700" in c.fix
+    assert not c.required

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +51,22 @@ def main(verbose: bool) -> None:
     envvar="TRACEJOIN_DISABLE_TRACEPOINTS",
     help="Treat this tracepoint as absent (repeatable).",
 )
-def doctor(as_json: bool, disable_tracepoint: tuple[str, ...]) -> None:
+@click.option(
+    "--bpf-cache",
+    default=None,
+    envvar="TRACEJOIN_BPF_CACHE",
+    help="The directory of kept compiled probes to check (default: run's, "
+    "/var/cache/tracejoin/bpf).",
+)
+def doctor(as_json: bool, disable_tracepoint: tuple[str, ...], bpf_cache: str | None) -> None:
     """Check every signal tracejoin offers: available, fallback (which), or unavailable (why,
     and what would fix it). Exits 0 when the core pipeline can run."""
     from tracejoin.host.doctor import DoctorOptions, run_checks, running_agent, running_agent_text
 
-    report = run_checks(DoctorOptions(disabled_tracepoints=frozenset(disable_tracepoint)))
+    opts = DoctorOptions(disabled_tracepoints=frozenset(disable_tracepoint))
+    if bpf_cache:
+        opts = replace(opts, bpf_cache=Path(bpf_cache))
+    report = run_checks(opts)
     port = int(os.environ.get("TRACEJOIN_METRICS_PORT") or 9464)
     agent = running_agent(port) if port else None
     if as_json:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tracejoin.kernel import probes
+from tracejoin.kernel.compiled import DEFAULT_CACHE_DIR
 from tracejoin.kernel.features import FeatureResult, probe_features
 from tracejoin.kernel.perf import (
     PERF_COUNT_HW_CACHE_DTLB,
@@ -150,6 +151,7 @@ class DoctorOptions:
     bpf_trial: Callable[[], ProbeResult] | None = None  # default: bpf_trial_load
     nvml_probe: Callable[[], ProbeResult] | None = None  # default: nvml_status
     bpf_features: Callable[[], list[FeatureResult]] | None = None  # default: probe_features
+    bpf_cache: Path = DEFAULT_CACHE_DIR  # --bpf-cache
 
 
 # --- a running agent --------------------------------------------------------------------------
@@ -317,6 +319,7 @@ def run_checks(options: DoctorOptions | None = None) -> Report:
     checks += check_bpf_features(opts.bpf_features or probe_features)
     checks += [
         check_headers(root, release),
+        check_bpf_cache(opts.bpf_cache),
         check_ring_reader(),
         check_traceparent_reader(),
         check_span_encoder(),
@@ -358,6 +361,37 @@ def check_cuda(root: Path) -> Check:
     status = Status.AVAILABLE if ok else Status.UNAVAILABLE
     detail = f"{len(ok)} of {len(files)} CUDA files probeable with --cuda"
     return Check("cuda libraries", "GPU", status, detail, notes=lines, data=data)
+
+
+def check_bpf_cache(path: Path) -> Check:
+    """Whether starts keep the compiled probes and load them (docs/operations.md, "The BPF
+    cache"); without it every start compiles, which works, slower."""
+    from tracejoin.kernel.compiled import cache_state
+
+    problem, entries = cache_state(path)
+    if problem is not None:
+        return Check(
+            "bpf cache",
+            "Build",
+            Status.FALLBACK,
+            f"{problem}: every start compiles in a child process (seconds)",
+            fix=f"make {path} a directory owned by root, mode 0700 (or mount it writable)",
+            data={"path": str(path)},
+        )
+    if not entries:
+        detail = f"{path}: nothing kept yet; the next start compiles and keeps its programs"
+    else:
+        age = time.time() - entries[0].stat().st_mtime
+        detail = f"{path}: {len(entries)} kept, the most recent used {_ago(age)} ago"
+    data = {"path": str(path), "entries": len(entries)}
+    return Check("bpf cache", "Build", Status.AVAILABLE, detail, data=data)
+
+
+def _ago(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} s"
 
 
 def check_span_encoder() -> Check:

@@ -46,6 +46,7 @@ from tracejoin.kernel.features import bpf_syscall
 
 log = logging.getLogger(__name__)
 
+DEFAULT_CACHE_DIR = Path("/var/cache/tracejoin/bpf")  # --bpf-cache's default
 KEEP_ENTRIES = 8  # entries kept in a cache directory, the most recently used
 FORMAT = 1  # bump when an entry's content or meaning changes: older entries are then unused
 
@@ -338,10 +339,37 @@ def _private_dir(path: Path) -> bool:
     except OSError as exc:
         log.warning("BPF cache %s unusable (%s): compiling without keeping it", path, exc)
         return False
-    if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    if not _ours_alone(st):
         log.warning("BPF cache %s is writable by others or not owned by this user: not used", path)
         return False
     return True
+
+
+def _ours_alone(st: os.stat_result) -> bool:
+    """Owned by this user and writable by no one else: the only files whose programs load."""
+    return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def cache_state(path: Path) -> tuple[str | None, list[Path]]:
+    """What a start would find in a cache directory, without changing it (`tracejoin
+    doctor`): why it cannot be used (None: it can, or will be created), and its entries, the
+    most recently used first."""
+    if not path.exists():
+        parent = next((p for p in path.parents if p.exists()), Path("/"))
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return f"{path} does not exist and {parent} is not writable", []
+        return None, []
+    try:
+        st = path.stat()
+        entries = sorted(path.glob("*.bpf.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError as exc:
+        return f"{path}: {exc.strerror}", []
+    if not path.is_dir():
+        return f"{path} is not a directory", []
+    if not _ours_alone(st):
+        mode = f"{st.st_mode & 0o777:o}"
+        return f"{path} is not this user's alone (owner uid {st.st_uid}, mode {mode})", []
+    return None, entries
 
 
 def _read_entry(path: Path, key: str) -> Entry | None:
@@ -353,8 +381,7 @@ def _read_entry(path: Path, key: str) -> Entry | None:
         log.warning("BPF cache entry %s unreadable (%s): compiling", path, exc)
         return None
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        if not _ours_alone(os.fstat(f.fileno())):
             log.warning("BPF cache entry %s is writable by others: compiling", path)
             return None
         raw = f.read()
