@@ -26,6 +26,7 @@ runs in the kernel, so an entry is used only from a directory and file no one el
 
 from __future__ import annotations
 
+import atexit
 import base64
 import contextlib
 import ctypes
@@ -482,8 +483,6 @@ def cached_bpf(entry: Entry) -> Any:
             except Exception:
                 self._close_maps()
                 raise
-            import atexit
-
             atexit.register(self.cleanup)
 
         def autoload_programs(self) -> list[tuple[str, int]]:

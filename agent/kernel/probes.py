@@ -417,6 +417,7 @@ class HttpProbes:
         t0 = time.monotonic()
         knobs = self.plan()
         src, cflags = self.render(knobs)
+        t_obtain = time.monotonic()
         try:
             # compiled in a child process, or taken from the cache (agent/kernel/compiled.py)
             got = compiled.obtain(src, list(cflags), self.config.bpf_cache_dir)
@@ -428,7 +429,7 @@ class HttpProbes:
             ) from exc
         self.status.bpf_source = got.source
         self.status.bpf_cache_path = str(got.path) if got.path else ""
-        self.status.compile_seconds = time.monotonic() - t0
+        self.status.compile_seconds = time.monotonic() - t_obtain
         self.status.compile_peak_bytes = got.compile_peak_bytes
         try:
             bpf = compiled.cached_bpf(got.entry)
@@ -454,7 +455,7 @@ class HttpProbes:
             # request is seen by a program whose tail calls are not there yet.
             programs = [(name, kind) for _, _, name, kind in tail_calls]
             fds = load_programs(bpf, [*programs, *bpf.autoload_programs()], _ncpus())
-            for (table, idx, _, _), fd in zip(tail_calls, fds, strict=False):
+            for (table, idx, _, _), fd in zip(tail_calls, fds[: len(tail_calls)], strict=True):
                 bpf[table][ctypes.c_int(idx)] = ctypes.c_int(fd)
             bpf.autoload()  # attaches the tracepoint programs, loaded above
         except Exception as exc:
