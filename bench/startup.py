@@ -133,11 +133,12 @@ def verify_split(rounds: int) -> None:
 
     from bcc import BPF
     from tracejoin.core.metrics import Metrics
+    from tracejoin.kernel import compiled
     from tracejoin.kernel.probes import HttpProbes, ProbeConfig, load_programs
 
     p = HttpProbes(ProbeConfig(), Metrics())
     src, cflags = p.render()
-    bpf = BPF(text=src.encode(), cflags=cflags)
+    bpf = compiled.cached_bpf(compiled._compile_here(src, cflags, "verify_split"))
     progs = [("scan_req", BPF.TRACEPOINT), ("scan_resp", BPF.TRACEPOINT)]
     progs += [("run_notes", BPF.TRACEPOINT), ("ws_wake_prog", BPF.RAW_TRACEPOINT)]
 

@@ -1,13 +1,16 @@
 """What the kernel verifier spends on each program: a cached start's floor (docs/performance.md,
 "The compile moves out of the agent").
 
-    sudo .venv/bin/python -m bench.verifier_cost [--top 10] [--set SCAN_CHUNK=128 ...]
+    sudo .venv/bin/python -m bench.verifier_cost [--top 10] [--ports] [--cuda] [--set N=V ...]
 
-Renders bpf/http.c as `tracejoin run` would, compiles it in this process (no program loaded),
-creates the maps, then loads each program once with the verifier's statistics on (log_level 4)
-and prints its size, the instructions the verifier processed (of its 1M limit), its states and
-its own time. `--set NAME=VALUE` replaces a `#define NAME` of the rendered text first, to see
-what a constant costs the verifier (its runtime effect is not measured here).
+Renders bpf/http.c as `tracejoin run` would (--ports: with a port filter; --cuda: with the CUDA
+uprobes), compiles it in this process (no program loaded), creates the maps, then loads each
+program (the bpf_loop callbacks linked into it) once with the verifier's statistics on
+(log_level 4) and prints its size, the instructions the verifier processed (of its 1M limit),
+its states and its own time; a program the verifier refuses says so. The scanners' step budgets
+(SCAN_CHUNK, LOOP_STEPS, H2_STEPS) are sized by these figures (docs/probes.md). `--set
+NAME=VALUE` replaces a `#define NAME` of the rendered text first, to see what a constant costs
+the verifier (its runtime effect is not measured here).
 """
 
 from __future__ import annotations
@@ -16,12 +19,10 @@ import argparse
 import ctypes
 import os
 import re
-import struct
 import time
 
 from tracejoin.core.metrics import Metrics
 from tracejoin.kernel import compiled
-from tracejoin.kernel.features import bpf_syscall
 from tracejoin.kernel.probes import HttpProbes, ProbeConfig
 
 _PROG_LOAD, _TRACEPOINT, _RAW_TRACEPOINT, _KPROBE = 5, 5, 17, 2
@@ -35,42 +36,28 @@ def _kind(name: str) -> int:
     return _TRACEPOINT
 
 
-def verify(bpf: object, entry: compiled.Entry, name: str) -> tuple[float, str]:
+def verify(bpf: object, name: str) -> tuple[float, str]:
     """Load `name` once with log_level 4 (statistics only); (seconds, the verifier's line)."""
-    spec = entry.funcs[name]
-    insns = ctypes.create_string_buffer(spec.insns, len(spec.insns))
-    for at, idx in spec.map_refs:
-        struct.pack_into("<i", insns, at * 8 + 4, bpf._map_fds[idx])  # type: ignore[attr-defined]
     log = ctypes.create_string_buffer(1 << 16)
-    license = ctypes.create_string_buffer(b"GPL")
-    attr = ctypes.create_string_buffer(72)
-    struct.pack_into(
-        "<IIQQIIQ",
-        attr,
-        0,
-        _kind(name),
-        len(spec.insns) // 8,
-        ctypes.addressof(insns),
-        ctypes.addressof(license),
-        4,
-        len(log),
-        ctypes.addressof(log),
-    )
     t0 = time.monotonic()
-    fd, err = bpf_syscall(_PROG_LOAD, attr)
+    fd, err, _ = compiled.prog_load(bpf, name, _kind(name), 4, log)
     secs = time.monotonic() - t0
     if fd >= 0:
         os.close(fd)
     stats = [ln for ln in log.value.decode(errors="replace").splitlines() if "processed" in ln]
-    return secs, stats[0] if stats else f"refused: {os.strerror(err)}"
+    line = stats[0] if stats else ""
+    return secs, line if fd >= 0 else f"refused ({os.strerror(err)}): {line}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--top", type=int, default=10, help="the N largest programs (0: all)")
     ap.add_argument("--set", action="append", default=[], help="NAME=VALUE: a #define to change")
+    ap.add_argument("--ports", action="store_true", help="render with a port filter")
+    ap.add_argument("--cuda", action="store_true", help="render with the CUDA uprobes")
     args = ap.parse_args()
-    src, cflags = HttpProbes(ProbeConfig(), Metrics()).render()
+    cfg = ProbeConfig(ports=(8080,) if args.ports else (), cuda=args.cuda)
+    src, cflags = HttpProbes(cfg, Metrics()).render()
     for item in args.set:
         key, _, value = item.partition("=")
         src, n = re.subn(
@@ -81,11 +68,13 @@ def main() -> None:
     entry = compiled._compile_here(src, list(cflags), "verifier_cost")
     bpf = compiled.cached_bpf(entry)
     try:
-        names = sorted(entry.funcs, key=lambda n: -len(entry.funcs[n].insns))
+        # a bpf_loop callback is verified inside each program it is linked into
+        linked = {cb for f in entry.funcs.values() for _, cb in f.subprogs}
+        names = sorted(set(entry.funcs) - linked, key=lambda n: -len(entry.funcs[n].insns))
         print(f"{'program':40s} {'insns':>6s} {'verify s':>8s}  verifier")
         total = 0.0
         for name in names[: args.top or None]:
-            secs, line = verify(bpf, entry, name)
+            secs, line = verify(bpf, name)
             total += secs
             print(f"{name[:40]:40s} {len(entry.funcs[name].insns) // 8:6d} {secs:8.2f}  {line}")
         print(f"{'(these, one after another)':40s} {'':6s} {total:8.2f}")

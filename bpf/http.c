@@ -26,8 +26,9 @@
  *   sock_recv_length                            the buffer now holds `ret` bytes: scan them
  *   sys_enter_{write,writev,sendto,sendmsg,sendfile64} / sock_send_length: same for responses
  *   inet_sock_set_state (we close) / tcp_destroy_sock: flush what is still open
- * Scanning runs in tail-called programs (scan_req, scan_resp) of SCAN_CHUNK bytes each, so the
- * verifier sees small bounded loops.
+ * Scanning runs in tail-called programs (scan_req, scan_resp) of SCAN_CHUNK steps each, taken
+ * LOOP_STEPS at a time by a bpf_loop callback (scan_req_steps, scan_resp_steps): the verifier
+ * walks one callback, LOOP_STEPS steps deep, not every step of the chunk.
  *
  * Defines set by agent/kernel/probes.py (integers or present/absent; no user text is ever
  * pasted in here):
@@ -48,6 +49,8 @@
  *   WAKE_EVERY                             records per CPU between forced reader wake-ups (a
  *                                          power of two: NCPU x WAKE_EVERY <= half the ring)
  *   NCPU                                   possible CPUs
+ * and by agent/kernel/compiled.py (loop_callback_defines):
+ *   LOOP_CB_MARK, LOOP_CB_<function>       the markers by which a bpf_loop call names its callback
  */
 #include <uapi/linux/ptrace.h>
 #include <linux/socket.h>
@@ -77,6 +80,7 @@
 
 #define SCRATCH_SIZE 4096       /* bytes of a read/write copied per window (power of two) */
 #define SCAN_CHUNK 256          /* scanner steps per program before tail-calling the next */
+#define LOOP_STEPS 32           /* scanner steps per bpf_loop callback (SCAN_CHUNK / LOOP_STEPS calls) */
 #define CHAIN_MAX 30            /* tail calls one read/write may use (the kernel allows 33) */
 #define IOV_WALK 16             /* iovecs looked at per window load */
 #define CL_MAX (1ULL << 40)     /* a larger Content-Length or chunk size is invalid */
@@ -215,7 +219,14 @@ struct scratch {
     struct ws_note notes[WS_NOTES];
     u32 nnotes;                 /* notes written so far (the last WS_NOTES are kept) */
     u32 h2_tid;                 /* the thread whose exit h2_more waits for */
+    s32 step;                   /* STEP_*: what the last scanner steps of a bpf_loop returned */
 };
+
+/* A bpf_loop callback, named by a marker the loader links (agent/kernel/compiled.py). BCC keeps
+ * every function in a section of its own and links no call between them, and it rewrites a
+ * program's second parameter into a pt_regs read, so a callback is a program-like function of
+ * its own that takes nothing from its caller: it finds its state in the per-CPU scratch. */
+#define LOOP_CB(fn) ((void *)((LOOP_CB_MARK << 32) | LOOP_CB_##fn))
 
 /* An open request's work set, as a thread refers to it: the request's key in `worksets`
  * (conn_id is never 0 for a live reference) and the thread's index among its members. */
@@ -252,6 +263,13 @@ BPF_PERCPU_ARRAY(counters, u64, CNT_MAX);
 BPF_PERCPU_ARRAY(scratch_map, struct scratch, 1);
 BPF_PERCPU_ARRAY(zero_rec, struct http_record, 1);      /* never written: a zeroed template */
 BPF_PERCPU_ARRAY(conn_seq, u64, 1);
+/* What flush_conn hands its bpf_loop callback (tracepoint programs never nest on a CPU) */
+struct flush_args {
+    u64 sk;
+    u64 now;
+};
+BPF_PERCPU_ARRAY(flush_args, struct flush_args, 1);
+BPF_PERCPU_ARRAY(conn_new, struct conn, 1);     /* a connection's state being made, then copied */
 BPF_TABLE("lru_hash", u64, struct conn, conns, LRU_ENTRIES);
 BPF_TABLE("lru_hash", struct req_key, struct http_record, reqs, LRU_ENTRIES);
 /* Per-thread syscall state in task storage, not a hash keyed by thread id: every read and write

@@ -273,35 +273,51 @@ static __always_inline void emit(struct http_record *rec)
     send_record(rec);
 }
 
+/* bpf_loop callback of flush_conn: emit and forget the oldest request still open on the
+ * connection flush_args names. 1 (stop) when none is left. */
+int flush_conn_step(void *ctx)
+{
+    int z = 0;
+    struct flush_args *a = flush_args.lookup(&z);
+    if (!a)
+        return 1;
+    u64 sk = a->sk;
+    struct conn *c = conns.lookup(&sk);
+    if (!c || c->head >= c->tail)
+        return 1;
+    u64 seq = c->head;
+    c->head = seq + 1;
+    if (c->ghost_bits & (1ULL << (seq & 63)))
+        return 0;                   /* untracked: already counted (pipeline_slots_full, lost) */
+    struct req_key key = {.sk = sk, .seq = seq};
+    struct http_record *rec = reqs.lookup(&key);
+    if (!rec) {
+        count(CNT_REQUEST_STATE_LOST);
+        return 0;
+    }
+    if (rec->resp_start_ns) {
+        rec->flags |= REQF_RESP_UNTERM;
+        finish_request(rec, c, c->last_write_ns);
+    } else {
+        rec->flags |= REQF_NO_RESPONSE;
+        finish_request(rec, c, a->now);
+    }
+    rec->status = c->rs_status;
+    c->rs_status = 0;               /* a status belongs to the oldest open request only */
+    emit(rec);
+    reqs.delete(&key);
+    return 0;
+}
+
 /* Emit and forget every request still open on a connection that is going away. */
 static __always_inline void flush_conn(u64 sk, struct conn *c, u64 now)
 {
-    struct req_key key = {.sk = sk};
-#pragma clang loop unroll(disable)
-    for (int i = 0; i < OUTSTANDING_MAX; i++) {
-        if (c->head >= c->tail)
-            break;
-        u64 seq = c->head;
-        c->head = seq + 1;
-        if (c->ghost_bits & (1ULL << (seq & 63)))
-            continue;               /* untracked: already counted (pipeline_slots_full, lost) */
-        key.seq = seq;
-        struct http_record *rec = reqs.lookup(&key);
-        if (!rec) {
-            count(CNT_REQUEST_STATE_LOST);
-            continue;
-        }
-        if (rec->resp_start_ns) {
-            rec->flags |= REQF_RESP_UNTERM;
-            finish_request(rec, c, c->last_write_ns);
-        } else {
-            rec->flags |= REQF_NO_RESPONSE;
-            finish_request(rec, c, now);
-        }
-        rec->status = c->rs_status;
-        c->rs_status = 0;           /* a status belongs to the oldest open request only */
-        emit(rec);
-        reqs.delete(&key);
+    int z = 0;
+    struct flush_args *a = flush_args.lookup(&z);
+    if (a) {
+        a->sk = sk;
+        a->now = now;
+        bpf_loop(OUTSTANDING_MAX, LOOP_CB(flush_conn_step), 0, 0);
     }
     reset_parser(&c->rs, P_STATUS);
 }
@@ -313,35 +329,41 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
     u64 sk = (u64)args->skaddr;
     u64 now = bpf_ktime_get_ns();
     if (args->newstate == TCP_ESTABLISHED_) {
-        struct conn c = {};
-        c.conn_id = new_conn_id();
-        c.rs.state = P_STATUS;
-        c.family = args->family;
-        c.lport = args->sport;
-        c.rport = args->dport;
-        c.flags = CONN_TUPLE;
+        /* made in map memory: on this program's stack it would leave too little for
+         * flush_conn's bpf_loop callback (512 bytes for both frames) */
+        int z = 0;
+        struct conn *c = conn_new.lookup(&z);
+        if (!c)
+            return 0;
+        __builtin_memset(c, 0, sizeof(*c));
+        c->conn_id = new_conn_id();
+        c->rs.state = P_STATUS;
+        c->family = args->family;
+        c->lport = args->sport;
+        c->rport = args->dport;
+        c->flags = CONN_TUPLE;
         if (args->family == AF_INET_) {
-            __builtin_memcpy(c.laddr, args->saddr, 4);
-            __builtin_memcpy(c.raddr, args->daddr, 4);
+            __builtin_memcpy(c->laddr, args->saddr, 4);
+            __builtin_memcpy(c->raddr, args->daddr, 4);
         } else {
-            __builtin_memcpy(c.laddr, args->saddr_v6, 16);
-            __builtin_memcpy(c.raddr, args->daddr_v6, 16);
+            __builtin_memcpy(c->laddr, args->saddr_v6, 16);
+            __builtin_memcpy(c->raddr, args->daddr_v6, 16);
         }
         if (args->oldstate == TCP_SYN_RECV_) {
-            c.est_ns = now;            /* handshake done; the accept backlog wait starts */
+            c->est_ns = now;           /* handshake done; the accept backlog wait starts */
 #ifdef FILTER_PORT
             u16 port = args->sport;
             if (!filter_port.lookup(&port))
-                c.flags |= CONN_IGNORED;
+                c->flags |= CONN_IGNORED;
 #endif
         } else {
-            c.flags |= CONN_IGNORED;   /* a connection this host opened: a client, not served */
+            c->flags |= CONN_IGNORED;  /* a connection this host opened: a client, not served */
             u16 rport = args->dport;
             if (otlp_ports.lookup(&rport))  /* an exporter reaching a collector: the inspector
                                              * reads TCP tables again only after one */
                 count(CNT_OTLP_CONNECTS);
         }
-        conns.update(&sk, &c);
+        conns.update(&sk, c);
         return 0;
     }
     /* We are closing (or the connection was reset): whatever is open has ended. The peer's FIN

@@ -376,6 +376,30 @@ static __always_inline void request_done(struct conn *c)
     reset_parser(p, P_IDLE);
 }
 
+/* bpf_loop callback of scan_req: LOOP_STEPS steps of the request that scan_req found or opened
+ * (the last one open). 1 stops the loop; s->step says why. */
+int scan_req_steps(void *ctx)
+{
+    int z = 0;
+    struct scratch *s = scratch_map.lookup(&z);
+    if (!s)
+        return 1;
+    u64 sk = s->sk;
+    struct conn *c = conns.lookup(&sk);
+    struct http_record *rec = c ? current_request(s, c, c->tail - 1) : 0;
+    int r = STEP_STOP;
+    if (c && rec) {
+#pragma unroll 1
+        for (int k = 0; k < LOOP_STEPS; k++) {
+            r = step_req(s, c, rec);
+            if (r != STEP_GO)
+                break;
+        }
+    }
+    s->step = r;
+    return r != STEP_GO;
+}
+
 int scan_req(void *ctx)
 {
     int z = 0;
@@ -404,12 +428,9 @@ int scan_req(void *ctx)
         goto out;
     if (split)
         rec->flags |= REQF_TP_SPLIT;
-#pragma unroll 1
-    for (int iter = 0; iter < SCAN_CHUNK; iter++) {
-        r = step_req(s, c, rec);
-        if (r != STEP_GO)
-            break;
-    }
+    s->step = STEP_GO;
+    bpf_loop(SCAN_CHUNK / LOOP_STEPS, LOOP_CB(scan_req_steps), 0, 0);
+    r = VLD(s->step);
     /* Once its headers ended the request's traceparent is final: whether a span will be made
      * of it is decided here, once per scan rather than at every emit() (bpf/http_conn.h) */
     if (rec->flags & REQF_HDR_DONE)

@@ -17,7 +17,7 @@ from tracejoin.kernel.probes import ProbeConfig
 
 
 def _insn(code: int, src: int = 0, imm: int = 0) -> bytes:
-    return struct.pack("<BBhi", code, src << 4, 0, imm)
+    return struct.pack("<BBhI", code, src << 4, 0, imm & 0xFFFFFFFF)
 
 
 def _entry(key: str = "k") -> Entry:
@@ -41,6 +41,38 @@ def test_map_references_are_found_and_other_relocations_refused():
         compiled._map_refs("p", insns, {9: 0})
     with pytest.raises(CompileError, match="ld_imm64 kind 2"):
         compiled._map_refs("p", _insn(0x18, 2, 9) + _insn(0), {9: 0})
+
+
+def test_a_bpf_loop_callback_is_linked_into_each_program_that_names_it():
+    """LOOP_CB(fn) is an ld_imm64 of LOOP_CB_MARK << 32 | LOOP_CB_fn (#defined): the
+    callback's instructions are appended to the program once, however often it is named, the
+    ld_imm64 becomes a relative BPF_PSEUDO_FUNC reference to them, the callback's own map
+    references move with it, and the program's func_info gets a record for it."""
+    defined = dict(line.split()[1:] for line in compiled.loop_callback_defines(("cb",)))
+    mark, cb_id = (int(defined[k].rstrip("UL"), 16) for k in ("LOOP_CB_MARK", "LOOP_CB_cb"))
+    marker = _insn(0x18, 0, cb_id) + _insn(0, 0, mark)  # r0 = mark << 32 | id
+    prog = _insn(0x18, 1, 5) + _insn(0) + marker + marker + _insn(0x95)  # map ref at 0
+    cb = _insn(0xB7) + _insn(0x18, 1, 6) + _insn(0) + _insn(0x95)  # map ref at 1
+    linked = compiled.link_callbacks(
+        {"prog": FuncSpec(prog, ((0, 0),)), "cb": FuncSpec(cb, ((1, 1),))}
+    )
+    p = linked["prog"]
+    assert p.insns[: 2 * 8] == prog[: 2 * 8] and p.insns[len(prog) :] == cb
+    assert p.subprogs == ((7, "cb"),) and p.map_refs == ((0, 0), (8, 1))
+    for at in (2, 4):  # both markers: src_reg BPF_PSEUDO_FUNC, imm = 7 - (at + 1), high half 0
+        code, regs, _, imm = struct.unpack_from("<BBhi", p.insns, at * 8)
+        assert (code, regs >> 4, imm) == (0x18, 4, 7 - at - 1)
+        assert struct.unpack_from("<i", p.insns, (at + 1) * 8 + 4)[0] == 0
+    assert linked["cb"] == FuncSpec(cb, ((1, 1),))  # named by no one: as compiled
+    again = Entry("k", "GPL", 0, (), linked)
+    assert Entry.from_bytes(again.to_bytes()) == again
+    # a marker whose function is not in the module, a callback naming one: refused
+    stray = _insn(0x18, 0, cb_id + 1) + _insn(0, 0, mark) + _insn(0x95)
+    with pytest.raises(CompileError, match="no such function"):
+        compiled.link_callbacks({"prog": FuncSpec(stray, ()), "cb": FuncSpec(cb, ())})
+    nested = {"prog": FuncSpec(prog[16:], ()), "cb": FuncSpec(marker + _insn(0x95), ())}
+    with pytest.raises(CompileError, match="names a callback itself"):
+        compiled.link_callbacks(nested)
 
 
 def test_the_key_covers_the_text_and_the_flags():
@@ -73,7 +105,8 @@ def test_a_damaged_or_foreign_entry_is_not_used(tmp_path):
     assert compiled._read_entry(path, "k") is None
     path.write_bytes(_entry("other").to_bytes())
     assert compiled._read_entry(path, "k") is None  # named for one text, made from another
-    path.write_bytes(_entry().to_bytes().replace(b'"format":1', b'"format":0'))
+    older = f'"format":{compiled.FORMAT - 1}'.encode()
+    path.write_bytes(_entry().to_bytes().replace(f'"format":{compiled.FORMAT}'.encode(), older))
     assert compiled._read_entry(path, "k") is None  # an older tracejoin's
     path.write_bytes(b"[]")
     assert compiled._read_entry(path, "k") is None  # JSON, but not an entry

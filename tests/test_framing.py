@@ -562,6 +562,29 @@ def test_response_headers_beyond_the_window_in_one_write(fx):
     assert fx.span_of(second).attributes["http.response.status_code"] == 202
 
 
+def test_header_sections_of_thousands_of_steps(fx):
+    """Header sections of ~600 short lines, each byte a scanner step: the scan goes on across
+    bpf_loop callbacks (LOOP_STEPS steps each), tail calls (SCAN_CHUNK steps each) and a window
+    reload, and frames both messages whole. The traceparent is met after several callbacks."""
+    s, after = new_sent("/manylines/first"), new_sent("/manylines/after")
+    lines = b"".join(b"x%d:y\r\n" % i for i in range(600))
+    before = b"".join(b"w%d:y\r\n" % i for i in range(60))  # ~60 x 7 steps
+    req = get_bytes(s, extra=lines).replace(b"traceparent", before + b"traceparent", 1)
+    body = b"done"
+    resp = b"HTTP/1.1 203 X\r\n" + lines + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    with Scripted(fx.port(), serve_each(lambda k: k.sendall(resp))) as srv:
+        c = Client(srv.lsock.getsockname()[1])
+        assert c.request(req) == 203
+        assert c.request(get_bytes(after)) == 200
+        c.close()
+    span = fx.span_of(s)
+    assert span.trace_id == s.trace_id and span.parent_span_id == s.parent_id
+    assert span.attributes["http.request.size"] == len(req)
+    assert span.attributes["http.response.status_code"] == 203
+    assert span.attributes["http.response.size"] == len(resp)
+    assert fx.span_of(after).attributes["http.response.status_code"] == 200
+
+
 CHUNKED_HEAD = b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 

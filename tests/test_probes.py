@@ -6,7 +6,7 @@ import re
 
 import pytest
 from tracejoin.core.metrics import Metrics
-from tracejoin.kernel import probes
+from tracejoin.kernel import compiled, probes
 from tracejoin.kernel.probes import HttpProbes, ProbeConfig, ProbeError
 
 
@@ -46,8 +46,10 @@ def test_tlb_hardware_path_is_selected_and_passes_the_verifier(require_root, mon
     assert "flush_tlb_hw" in src  # the running slice is read at request start and end
     from bcc import BPF
 
-    b = BPF(text=src.encode(), cflags=flags)
+    # compiled and loaded as a start does: BCC alone cannot link the scanners' bpf_loop callbacks
+    b = compiled.cached_bpf(compiled._compile_here(src, flags, "tlb_hw"))
     try:
+        b.autoload()
         attached = set(b.tracepoint_fds)
         assert b"sched:sched_switch" in attached  # reads the counters at switch in/out
         assert b"tlb:tlb_flush" not in attached  # the fallback is compiled out

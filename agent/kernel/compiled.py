@@ -39,6 +39,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = Path("/var/cache/tracejoin/bpf")  # --bpf-cache's default
 KEEP_ENTRIES = 8  # entries kept in a cache directory, the most recently used
-FORMAT = 1  # bump when an entry's content or meaning changes: older entries are then unused
+FORMAT = 2  # bump when an entry's content or meaning changes: older entries are then unused
 
 # bpf(2) commands and instruction encoding (include/uapi/linux/bpf.h)
 _BPF_MAP_CREATE = 0
@@ -58,7 +59,8 @@ _BPF_PROG_LOAD = 5
 _BPF_BTF_LOAD = 18
 _LD_IMM64 = 0x18  # BPF_LD | BPF_IMM | BPF_DW: two instruction slots
 _PSEUDO_MAP_FD = 1  # src_reg of an ld_imm64 whose imm is a map fd
-_PSEUDO_FUNC = 4  # src_reg of an ld_imm64 naming a subprogram (relative: nothing to patch)
+_PSEUDO_FUNC = 4  # src_reg of an ld_imm64 naming a subprogram: imm is relative to the insn after
+_LOOP_CB_MARK = 0x7A6A6C70  # high half of the constant naming a bpf_loop callback ("zjlp")
 _INSN = 8
 _MAP_INFO_SIZE = 40  # struct bpf_map_info through name[16]
 # Local storage maps (sk, inode, task, cgroup) are created only with BTF for their key and value
@@ -88,6 +90,7 @@ class MapSpec:
 class FuncSpec:
     insns: bytes
     map_refs: tuple[tuple[int, int], ...]  # (instruction index, index into maps) to patch
+    subprogs: tuple[tuple[int, str], ...] = ()  # (first instruction, function) linked in
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,11 @@ class Entry:
             "kern_version": self.kern_version,
             "maps": [m.__dict__ for m in self.maps],
             "funcs": {
-                name: {"insns": base64.b64encode(f.insns).decode(), "map_refs": f.map_refs}
+                name: {
+                    "insns": base64.b64encode(f.insns).decode(),
+                    "map_refs": f.map_refs,
+                    "subprogs": f.subprogs,
+                }
                 for name, f in self.funcs.items()
             },
         }
@@ -124,7 +131,9 @@ class Entry:
             maps=tuple(MapSpec(**m) for m in doc["maps"]),
             funcs={
                 name: FuncSpec(
-                    base64.b64decode(f["insns"]), tuple((int(i), int(m)) for i, m in f["map_refs"])
+                    base64.b64decode(f["insns"]),
+                    tuple((int(i), int(m)) for i, m in f["map_refs"]),
+                    tuple((int(i), str(n)) for i, n in f["subprogs"]),
                 )
                 for name, f in doc["funcs"].items()
             },
@@ -214,8 +223,69 @@ def extract(bpf: Any, key: str) -> Entry:
         license=lib.bpf_module_license(module).decode(),
         kern_version=int(lib.bpf_module_kern_version(module)),
         maps=tuple(maps),
-        funcs=funcs,
+        funcs=link_callbacks(funcs),
     )
+
+
+def loop_callback_defines(names: tuple[str, ...]) -> list[str]:
+    """The #defines by which C code names its bpf_loop callbacks: `LOOP_CB(fn)` (bpf/http.c) is
+    the constant LOOP_CB_MARK << 32 | LOOP_CB_fn, which link_callbacks() turns into a reference
+    to the function. BCC can do neither itself: it compiles each function into a section of
+    its own and resolves no reference between them."""
+    lines = [f"#define LOOP_CB_MARK {_LOOP_CB_MARK:#x}ULL"]
+    return lines + [f"#define LOOP_CB_{name} {_callback_id(name):#x}ULL" for name in names]
+
+
+def _callback_id(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+def link_callbacks(funcs: dict[str, FuncSpec]) -> dict[str, FuncSpec]:
+    """Each program that names a bpf_loop callback by its marker, with the callback's
+    instructions appended (once per program) and the marker's ld_imm64 made the kernel's
+    reference to that subprogram (BPF_PSEUDO_FUNC, relative). A callback names none itself."""
+    by_id = {_callback_id(name): name for name in funcs}
+    linked = {}
+    for name, spec in funcs.items():
+        insns = bytearray(spec.insns)
+        refs = list(spec.map_refs)
+        starts: dict[str, int] = {}
+        for i, lo, hi in _ld_imm64(spec.insns):
+            if hi != _LOOP_CB_MARK or spec.insns[i * _INSN + 1] >> 4 != 0:
+                continue
+            callback = by_id.get(lo)
+            if callback is None:
+                raise CompileError(
+                    f"{name}: instruction {i} names callback {lo:#x}: no such function"
+                )
+            if callback not in starts:
+                cb = funcs[callback]
+                if any(h == _LOOP_CB_MARK for _, _, h in _ld_imm64(cb.insns)):
+                    raise CompileError(f"{callback}: a bpf_loop callback names a callback itself")
+                starts[callback] = len(insns) // _INSN
+                insns += cb.insns
+                refs += [(at + starts[callback], m) for at, m in cb.map_refs]
+            insns[i * _INSN + 1] = (insns[i * _INSN + 1] & 0x0F) | (_PSEUDO_FUNC << 4)
+            struct.pack_into("<i", insns, i * _INSN + 4, starts[callback] - i - 1)
+            struct.pack_into("<i", insns, (i + 1) * _INSN + 4, 0)
+        subprogs = tuple(sorted((at, cb) for cb, at in starts.items()))
+        linked[name] = FuncSpec(bytes(insns), tuple(refs), subprogs)
+    return linked
+
+
+def _ld_imm64(insns: bytes) -> list[tuple[int, int, int]]:
+    """(index, low 32 bits, high 32 bits) of each ld_imm64 in a program."""
+    out = []
+    i = 0
+    while i < len(insns) // _INSN:
+        if insns[i * _INSN] == _LD_IMM64:
+            lo = struct.unpack_from("<I", insns, i * _INSN + 4)[0]
+            hi = struct.unpack_from("<I", insns, (i + 1) * _INSN + 4)[0]
+            out.append((i, lo, hi))
+            i += 2
+        else:
+            i += 1
+    return out
 
 
 def _map_refs(name: str, insns: bytes, fd_index: dict[int, int]) -> tuple[tuple[int, int], ...]:
@@ -517,19 +587,16 @@ def cached_bpf(entry: Entry) -> Any:
             name = func_name if isinstance(func_name, bytes) else func_name.encode()
             if name in self.funcs:
                 return self.funcs[name]
-            spec = self._entry.funcs.get(name.decode())
-            if spec is None:
-                raise Exception(f"Unknown program {name.decode()}")
-            insns = ctypes.create_string_buffer(spec.insns, len(spec.insns))
-            for at, idx in spec.map_refs:
-                struct.pack_into("<i", insns, at * _INSN + 4, self._map_fds[idx])
-            fd = _load_program(
-                prog_type,
-                name.decode(),
-                insns,
-                self._entry,
-                (self._btf_fd, self._btf.func_ids[name.decode()]),
-            )
+            fd, err, log = prog_load(self, name.decode(), prog_type)
+            if fd < 0:  # again with the verifier's log, whose tail goes in the error
+                log = ctypes.create_string_buffer(_LOG_BYTES)
+                fd, err, log = prog_load(self, name.decode(), prog_type, 1, log)
+            if fd < 0:
+                tail = log.value.decode(errors="replace").strip().splitlines()[-12:]
+                raise Exception(
+                    f"Failed to load BPF program {name.decode()}: {os.strerror(err)}"
+                    + ("\n" + "\n".join(tail) if tail else "")
+                )
             fn = BPF.Function(self, name, fd)
             self.funcs[name] = fn
             return fn
@@ -629,50 +696,50 @@ _LOG_BYTES = 1 << 22  # a failed load is loaded again with the verifier's log, i
 _PREFIXES = ("tracepoint__", "raw_tracepoint__", "kprobe__", "kretprobe__")
 
 
-def _load_program(
-    prog_type: int,
+def prog_load(
+    bpf: Any,
     name: str,
-    insns: ctypes.Array[ctypes.c_char],
-    entry: Entry,
-    btf: tuple[int, int],
-) -> int:
-    """BPF_PROG_LOAD as BCC's load_func does it (the kernel's name: the function's, its
-    autoload prefix dropped, cut to 15 bytes), with one func_info naming the program in full;
-    a refusal is retried with the verifier's log, whose tail is in the error."""
+    prog_type: int,
+    log_level: int = 0,
+    log: ctypes.Array[ctypes.c_char] | None = None,
+) -> tuple[int, int, ctypes.Array[ctypes.c_char]]:
+    """One BPF_PROG_LOAD of an entry's program into a cached_bpf's maps, as BCC's load_func
+    makes it (the kernel's name: the function's, its autoload prefix dropped, cut to 15 bytes),
+    with a func_info (first instruction, BTF FUNC) for the program and each subprogram linked
+    in, naming them in full. (fd or -1, errno, log)."""
+    entry: Entry = bpf._entry
+    if name not in entry.funcs:
+        raise Exception(f"Unknown program {name}")
+    spec = entry.funcs[name]
+    insns = ctypes.create_string_buffer(spec.insns, len(spec.insns))
+    for at, idx in spec.map_refs:
+        struct.pack_into("<i", insns, at * _INSN + 4, bpf._map_fds[idx])
+    ids = bpf._btf.func_ids
+    funcs = [(0, ids[name]), *((at, ids[cb]) for at, cb in spec.subprogs)]
+    func_info = (ctypes.c_uint32 * (2 * len(funcs)))(*(v for f in funcs for v in f))
     license = ctypes.create_string_buffer(entry.license.encode())
     short = next((name[len(p) :] for p in _PREFIXES if name.startswith(p)), name)
-    btf_fd, func_id = btf
-    func_info = (ctypes.c_uint32 * 2)(0, func_id)  # bpf_func_info {insn_off, type_id}
-    log = ctypes.create_string_buffer(0)
-    for log_level in (0, 1):
-        if log_level:
-            log = ctypes.create_string_buffer(_LOG_BYTES)
-        attr = ctypes.create_string_buffer(120)
-        struct.pack_into(
-            "<IIQQIIQII16s",
-            attr,
-            0,
-            prog_type,
-            len(insns) // _INSN,
-            ctypes.addressof(insns),
-            ctypes.addressof(license),
-            log_level,
-            len(log) if log_level else 0,
-            ctypes.addressof(log) if log_level else 0,
-            entry.kern_version,
-            0,  # prog_flags
-            short.encode()[:15],
-        )
-        # prog_btf_fd, func_info_rec_size, func_info, func_info_cnt
-        struct.pack_into("<IIQI", attr, 72, btf_fd, 8, ctypes.addressof(func_info), 1)
-        fd, err = bpf_syscall(_BPF_PROG_LOAD, attr)
-        if fd >= 0:
-            return fd
-    tail = log.value.decode(errors="replace").strip().splitlines()[-12:]
-    raise Exception(
-        f"Failed to load BPF program {name}: {os.strerror(err)}"
-        + ("\n" + "\n".join(tail) if tail else "")
+    log = log if log is not None else ctypes.create_string_buffer(0)
+    attr = ctypes.create_string_buffer(120)
+    struct.pack_into(
+        "<IIQQIIQII16s",
+        attr,
+        0,
+        prog_type,
+        len(insns) // _INSN,
+        ctypes.addressof(insns),
+        ctypes.addressof(license),
+        log_level,
+        len(log) if log_level else 0,
+        ctypes.addressof(log) if log_level else 0,
+        entry.kern_version,
+        0,  # prog_flags
+        short.encode()[:15],
     )
+    # prog_btf_fd, func_info_rec_size, func_info (bpf_func_info {insn_off, type_id}), count
+    struct.pack_into("<IIQI", attr, 72, bpf._btf_fd, 8, ctypes.addressof(func_info), len(funcs))
+    fd, err = bpf_syscall(_BPF_PROG_LOAD, attr)
+    return fd, err, log
 
 
 def _create_map(spec: MapSpec, btf: tuple[int, int, int] | None) -> int:

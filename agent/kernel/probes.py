@@ -179,6 +179,8 @@ TASK_MEMBERS = {
     "comm": "TASK_COMM_OFF",
 }
 CFLAGS = ("-Wno-macro-redefined",)
+# bpf_loop callbacks of bpf/http.c, named in C by LOOP_CB(fn) and linked by the loader
+LOOP_CALLBACKS = ("scan_req_steps", "scan_resp_steps", "flush_conn_step")
 
 # perf_event_attr.config for PERF_TYPE_HW_CACHE: cache | (op << 8) | (result << 16)
 _HW_CACHE_DTLB, _HW_CACHE_ITLB, _OP_READ, _RESULT_MISS = 3, 4, 0, 1
@@ -403,7 +405,8 @@ class HttpProbes:
         its local includes inlined and the knobs applied."""
         if knobs is None:
             knobs = self.plan()
-        return render_source(bpf_source_dir(), "http.c", knobs), list(CFLAGS)
+        defines = compiled.loop_callback_defines(LOOP_CALLBACKS)
+        return render_source(bpf_source_dir(), "http.c", knobs, defines), list(CFLAGS)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -868,12 +871,16 @@ _CONDITIONAL = re.compile(r"^\s*#\s*(ifdef|ifndef|if|elif|else|endif)\b\s*(.*?)\
 _DEFINED = re.compile(r"defined\s*\(\s*(\w+)\s*\)|defined\s+(\w+)")
 
 
-def render_source(src_dir: Path, name: str, knobs: dict[str, int | None]) -> str:
-    """`name` with its local ("...") includes inlined, the knobs #defined at the top, and every
-    conditional on a knob resolved: the text is exactly what the compiler sees of ours."""
+def render_source(
+    src_dir: Path, name: str, knobs: dict[str, int | None], defines: Sequence[str] = ()
+) -> str:
+    """`name` with its local ("...") includes inlined, the knobs #defined at the top (then
+    `defines`, lines the loader needs), and every conditional on a knob resolved: the text is
+    exactly what the compiler sees of ours."""
     head = [
         f"/* tracejoin: bpf/{name} as compiled: local includes inlined, knobs applied. */",
         *(f"#define {k}" if v is None else f"#define {k} {int(v)}" for k, v in knobs.items()),
+        *defines,
     ]
     lines = _resolve_knobs(_inline(src_dir, name, set()), set(knobs))
     return "\n".join([*head, *lines]) + "\n"
