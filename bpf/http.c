@@ -80,7 +80,7 @@
 
 #define SCRATCH_SIZE 4096       /* bytes of a read/write copied per window (power of two) */
 #define SCAN_CHUNK 256          /* scanner steps per program before tail-calling the next */
-#define LOOP_STEPS 32           /* scanner steps per bpf_loop callback (SCAN_CHUNK / LOOP_STEPS calls) */
+#define LOOP_STEPS 8            /* scanner steps per bpf_loop callback (SCAN_CHUNK / LOOP_STEPS calls) */
 #define CHAIN_MAX 30            /* tail calls one read/write may use (the kernel allows 33) */
 #define IOV_WALK 16             /* iovecs looked at per window load */
 #define CL_MAX (1ULL << 40)     /* a larger Content-Length or chunk size is invalid */
@@ -222,11 +222,17 @@ struct scratch {
     s32 step;                   /* STEP_*: what the last scanner steps of a bpf_loop returned */
 };
 
-/* A bpf_loop callback, named by a marker the loader links (agent/kernel/compiled.py). BCC keeps
- * every function in a section of its own and links no call between them, and it rewrites a
- * program's second parameter into a pt_regs read, so a callback is a program-like function of
- * its own that takes nothing from its caller: it finds its state in the per-CPU scratch. */
+/* A bpf_loop callback, named by a marker the loader links (agent/kernel/compiled.py): BCC keeps
+ * every function in a section of its own and links no call between them. It takes bpf_loop's
+ * (index, ctx) as one 16-byte struct, which clang passes in r1 and r2 as bpf_loop does: BCC
+ * rewrites a function's second parameter into a pt_regs read. ctx points to the caller's stack,
+ * where the caller leaves the pointers the callback works with (the verifier keeps their
+ * types), so a call costs no map lookup. */
 #define LOOP_CB(fn) ((void *)((LOOP_CB_MARK << 32) | LOOP_CB_##fn))
+struct loop_arg {
+    u64 index;
+    void *ctx;
+};
 
 /* An open request's work set, as a thread refers to it: the request's key in `worksets`
  * (conn_id is never 0 for a live reference) and the thread's index among its members. */
@@ -263,12 +269,6 @@ BPF_PERCPU_ARRAY(counters, u64, CNT_MAX);
 BPF_PERCPU_ARRAY(scratch_map, struct scratch, 1);
 BPF_PERCPU_ARRAY(zero_rec, struct http_record, 1);      /* never written: a zeroed template */
 BPF_PERCPU_ARRAY(conn_seq, u64, 1);
-/* What flush_conn hands its bpf_loop callback (tracepoint programs never nest on a CPU) */
-struct flush_args {
-    u64 sk;
-    u64 now;
-};
-BPF_PERCPU_ARRAY(flush_args, struct flush_args, 1);
 BPF_PERCPU_ARRAY(conn_new, struct conn, 1);     /* a connection's state being made, then copied */
 BPF_TABLE("lru_hash", u64, struct conn, conns, LRU_ENTRIES);
 BPF_TABLE("lru_hash", struct req_key, struct http_record, reqs, LRU_ENTRIES);

@@ -273,23 +273,26 @@ static __always_inline void emit(struct http_record *rec)
     send_record(rec);
 }
 
-/* bpf_loop callback of flush_conn: emit and forget the oldest request still open on the
- * connection flush_args names. 1 (stop) when none is left. */
-int flush_conn_step(void *ctx)
+/* What flush_conn hands its bpf_loop callback, on its stack */
+struct flush_loop {
+    u64 sk;
+    u64 now;
+    struct conn *c;
+};
+
+/* bpf_loop callback of flush_conn: emit and forget the oldest request still open. 1 (stop) when
+ * none is left. */
+int flush_conn_step(struct loop_arg a)
 {
-    int z = 0;
-    struct flush_args *a = flush_args.lookup(&z);
-    if (!a)
-        return 1;
-    u64 sk = a->sk;
-    struct conn *c = conns.lookup(&sk);
-    if (!c || c->head >= c->tail)
+    struct flush_loop *l = a.ctx;
+    struct conn *c = l->c;
+    if (c->head >= c->tail)
         return 1;
     u64 seq = c->head;
     c->head = seq + 1;
     if (c->ghost_bits & (1ULL << (seq & 63)))
         return 0;                   /* untracked: already counted (pipeline_slots_full, lost) */
-    struct req_key key = {.sk = sk, .seq = seq};
+    struct req_key key = {.sk = l->sk, .seq = seq};
     struct http_record *rec = reqs.lookup(&key);
     if (!rec) {
         count(CNT_REQUEST_STATE_LOST);
@@ -300,7 +303,7 @@ int flush_conn_step(void *ctx)
         finish_request(rec, c, c->last_write_ns);
     } else {
         rec->flags |= REQF_NO_RESPONSE;
-        finish_request(rec, c, a->now);
+        finish_request(rec, c, l->now);
     }
     rec->status = c->rs_status;
     c->rs_status = 0;               /* a status belongs to the oldest open request only */
@@ -312,13 +315,8 @@ int flush_conn_step(void *ctx)
 /* Emit and forget every request still open on a connection that is going away. */
 static __always_inline void flush_conn(u64 sk, struct conn *c, u64 now)
 {
-    int z = 0;
-    struct flush_args *a = flush_args.lookup(&z);
-    if (a) {
-        a->sk = sk;
-        a->now = now;
-        bpf_loop(OUTSTANDING_MAX, LOOP_CB(flush_conn_step), 0, 0);
-    }
+    struct flush_loop l = {.sk = sk, .now = now, .c = c};
+    bpf_loop(OUTSTANDING_MAX, LOOP_CB(flush_conn_step), &l, 0);
     reset_parser(&c->rs, P_STATUS);
 }
 

@@ -376,25 +376,18 @@ static __always_inline void request_done(struct conn *c)
     reset_parser(p, P_IDLE);
 }
 
-/* bpf_loop callback of scan_req: LOOP_STEPS steps of the request that scan_req found or opened
- * (the last one open). 1 stops the loop; s->step says why. */
-int scan_req_steps(void *ctx)
+/* bpf_loop callback of scan_req: LOOP_STEPS steps of the request scan_req found or opened.
+ * 1 stops the loop; the scan's step result says why. */
+int scan_req_steps(struct loop_arg a)
 {
-    int z = 0;
-    struct scratch *s = scratch_map.lookup(&z);
-    if (!s)
-        return 1;
-    u64 sk = s->sk;
-    struct conn *c = conns.lookup(&sk);
-    struct http_record *rec = c ? current_request(s, c, c->tail - 1) : 0;
-    int r = STEP_STOP;
-    if (c && rec) {
+    struct scan_loop *l = a.ctx;
+    struct scratch *s = l->s;
+    int r = STEP_GO;
 #pragma unroll 1
-        for (int k = 0; k < LOOP_STEPS; k++) {
-            r = step_req(s, c, rec);
-            if (r != STEP_GO)
-                break;
-        }
+    for (int k = 0; k < LOOP_STEPS; k++) {
+        r = step_req(s, l->c, l->rec);
+        if (r != STEP_GO)
+            break;
     }
     s->step = r;
     return r != STEP_GO;
@@ -428,8 +421,9 @@ int scan_req(void *ctx)
         goto out;
     if (split)
         rec->flags |= REQF_TP_SPLIT;
+    struct scan_loop l = {.s = s, .c = c, .rec = rec};
     s->step = STEP_GO;
-    bpf_loop(SCAN_CHUNK / LOOP_STEPS, LOOP_CB(scan_req_steps), 0, 0);
+    bpf_loop(SCAN_CHUNK / LOOP_STEPS, LOOP_CB(scan_req_steps), &l, 0);
     r = VLD(s->step);
     /* Once its headers ended the request's traceparent is final: whether a span will be made
      * of it is decided here, once per scan rather than at every emit() (bpf/http_conn.h) */

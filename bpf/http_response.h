@@ -152,24 +152,17 @@ static __always_inline int step_resp(struct scratch *s, struct conn *c, struct h
 }
 
 /* bpf_loop callback of scan_resp: LOOP_STEPS steps of the response to the oldest request open.
- * 1 stops the loop; s->step says why. */
-int scan_resp_steps(void *ctx)
+ * 1 stops the loop; the scan's step result says why. */
+int scan_resp_steps(struct loop_arg a)
 {
-    int z = 0;
-    struct scratch *s = scratch_map.lookup(&z);
-    if (!s)
-        return 1;
-    u64 sk = s->sk;
-    struct conn *c = conns.lookup(&sk);
-    struct http_record *rec = c ? current_request(s, c, c->head) : 0;
-    int r = STEP_STOP;
-    if (c && rec) {
+    struct scan_loop *l = a.ctx;
+    struct scratch *s = l->s;
+    int r = STEP_GO;
 #pragma unroll 1
-        for (int k = 0; k < LOOP_STEPS; k++) {
-            r = step_resp(s, c, rec);
-            if (r != STEP_GO)
-                break;
-        }
+    for (int k = 0; k < LOOP_STEPS; k++) {
+        r = step_resp(s, l->c, l->rec);
+        if (r != STEP_GO)
+            break;
     }
     s->step = r;
     return r != STEP_GO;
@@ -202,8 +195,9 @@ int scan_resp(void *ctx)
         if (seq + 1 == c->tail && rq > P_TARGET && rq < P_BODY)
             untrust(c, CNT_UNTRUSTED_EARLY_RESPONSE);
     }
+    struct scan_loop l = {.s = s, .c = c, .rec = rec};
     s->step = STEP_GO;
-    bpf_loop(SCAN_CHUNK / LOOP_STEPS, LOOP_CB(scan_resp_steps), 0, 0);
+    bpf_loop(SCAN_CHUNK / LOOP_STEPS, LOOP_CB(scan_resp_steps), &l, 0);
     int r = VLD(s->step);
     if (r == STEP_NEXT) {
         u16 code = c->rs_status;

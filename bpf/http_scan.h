@@ -18,6 +18,13 @@ enum { STEP_GO, STEP_STOP, STEP_NEXT, STEP_RELOAD, STEP_HDR_END, STEP_BAD };
 
 #define BYTE(i) (s->buf[((i) - s->base) & (2 * SCRATCH_SIZE - 1)])
 
+/* What a scanner hands its bpf_loop callback (scan_req_steps, scan_resp_steps), on its stack */
+struct scan_loop {
+    struct scratch *s;
+    struct conn *c;
+    struct http_record *rec;
+};
+
 static __always_inline int visible(struct scratch *s, u32 i)
 {
     return i - s->base < s->n;

@@ -46,7 +46,13 @@ FEATURES: tuple[Feature, ...] = (
         "each thread's read/write in progress (pending_rd, pending_wr)",
         required=True,
     ),
-    Feature("bpf_loop", "bpf_loop helper", "5.17", None),
+    Feature(
+        "bpf_loop",
+        "bpf_loop helper",
+        "5.17",
+        "the HTTP/1.x scanners' steps and connection flushes (bpf_loop callbacks)",
+        required=True,
+    ),
 )
 
 
