@@ -16,11 +16,13 @@
  * cannot resolve is counted by reason and flagged on the record (H2F_UNRESOLVED), never guessed.
  */
 
-/* Decoder steps per program before tail-calling the next for the rest of a read or write.
- * Everything a step depends on is re-read from map memory (VLD), so the verifier sees the same
- * state at every loop head and prunes (BCC cannot load bpf_loop callbacks). */
-#define H2_STEPS 30             /* 30: ~630k instructions processed of the 1M limit
-                                 * (scripts/verifier_insns.py) */
+/* Decoder steps per program before tail-calling the next for the rest of a read or write, taken
+ * H2_LOOP_STEPS at a time by a bpf_loop callback (bpf/http.c: LOOP_CB), so the verifier walks
+ * one callback, not every step (a step is ~20k instructions processed). Everything a step
+ * depends on is re-read from map memory (VLD), so the verifier sees the same state at every
+ * loop head and prunes. */
+#define H2_STEPS 30             /* decoder steps per program */
+#define H2_LOOP_STEPS 1         /* ... per bpf_loop callback (h2_steps_rd, h2_steps_wr) */
 
 /* step results beyond STEP_* (http_scan.h) */
 #define H2_REC 16               /* a header block started: look its record up */
@@ -875,6 +877,52 @@ static __always_inline int h2_preface(struct scratch *s, struct h2conn *hc)
     return hc->preface >= H2_PREFACE_LEN ? STEP_GO : STEP_STOP;
 }
 
+/* What h2_scan hands its bpf_loop callback (h2_steps_rd, h2_steps_wr), on its stack; the
+ * callback replaces rec when a header block starts, and leaves its step result in r. */
+struct h2_loop {
+    struct scratch *s;
+    struct conn *c;
+    struct h2conn *hc;
+    struct h2dir *d;
+    struct h2end *e;
+    struct http_record *rec;
+    int r;
+};
+
+/* H2_LOOP_STEPS decoder steps; 1 stops the loop (l->r says why). */
+static __always_inline int h2_steps(struct h2_loop *l, int dir)
+{
+    int r = STEP_GO;
+#pragma unroll 1
+    for (int k = 0; k < H2_LOOP_STEPS; k++) {
+        /* nothing a step stored is carried in a register into the next: the verifier then
+         * sees one state at this loop head and prunes */
+        asm volatile("" ::: "memory");
+        r = h2_step(l->s, l->c, l->hc, l->d, l->e, dir, l->rec);
+        if (r == H2_REC) {
+            struct h2dir *d = l->d;
+            if (dir == DIR_RD && d->opening) {
+                d->opening = 0;
+                h2_open(l->s, l->c, l->hc, d, d->bsid);
+            }
+            struct http_record *rec = h2_block_rec(l->s, d);
+            r = STEP_GO;
+            if (!rec) {
+                r = STEP_RELOAD;        /* no record to write to: go on in the next program */
+                break;
+            }
+            l->rec = rec;
+        } else if (r != STEP_GO) {
+            break;
+        }
+    }
+    l->r = r;
+    return r != STEP_GO;
+}
+
+int h2_steps_rd(struct loop_arg a) { return h2_steps(a.ctx, DIR_RD); }
+int h2_steps_wr(struct loop_arg a) { return h2_steps(a.ctx, DIR_WR); }
+
 static __always_inline int h2_scan(void *ctx, int dir)
 {
     int z = 0;
@@ -943,27 +991,12 @@ static __always_inline int h2_scan(void *ctx, int dir)
                               h2_block_rec(s, d) : ghost_record(sk);
     if (!rec)
         goto out;
-#pragma unroll 1
-    for (int iter = 0; iter < H2_STEPS; iter++) {
-        /* nothing a step stored is carried in a register into the next: the verifier then
-         * sees one state at this loop head and prunes */
-        asm volatile("" ::: "memory");
-        r = h2_step(s, c, hc, d, e, dir, rec);
-        if (r == H2_REC) {
-            if (dir == DIR_RD && d->opening) {
-                d->opening = 0;
-                h2_open(s, c, hc, d, d->bsid);
-            }
-            rec = h2_block_rec(s, d);
-            r = STEP_GO;
-            if (!rec) {
-                r = STEP_RELOAD;        /* no record to write to: go on in the next program */
-                break;
-            }
-        } else if (r != STEP_GO) {
-            break;
-        }
-    }
+    struct h2_loop l = {.s = s, .c = c, .hc = hc, .d = d, .e = e, .rec = rec, .r = STEP_GO};
+    if (dir == DIR_RD)
+        bpf_loop(H2_STEPS / H2_LOOP_STEPS, LOOP_CB(h2_steps_rd), &l, 0);
+    else
+        bpf_loop(H2_STEPS / H2_LOOP_STEPS, LOOP_CB(h2_steps_wr), &l, 0);
+    r = VLD(l.r);
     if (r == H2_NOT_H2) {
         c->flags |= CONN_IGNORED;
         h2conns.delete(&sk);
@@ -1075,6 +1108,43 @@ static __always_inline void h2_finish(struct scratch *s, u64 sk, struct conn *c,
     reqs.delete(&key);
 }
 
+/* What h2_end hands its bpf_loop callbacks, on its stack */
+struct h2_end_loop {
+    struct scratch *s;
+    struct conn *c;
+    struct h2conn *hc;
+    struct h2end *e;
+    u64 sk;
+    u64 now;
+    u32 above;                          /* flush: streams above this id */
+    u32 from;                           /* flush: the first slot of this run */
+    u16 why;
+};
+
+/* bpf_loop callback of h2_end: emit queued stream i. 1 when the queue is done. */
+int h2_end_queued(struct loop_arg a)
+{
+    struct h2_end_loop *l = a.ctx;
+    u32 k = a.index;
+    struct h2end *e = l->e;
+    if (k >= VLD(e->n))
+        return 1;
+    h2_finish(l->s, l->sk, l->c, l->hc, e->sid[k & (H2_ENDS - 1)], e->why[k & (H2_ENDS - 1)],
+              l->now, 1);
+    return 0;
+}
+
+/* bpf_loop callback of h2_end: end the stream in slot from + i if it is above the flush id. */
+int h2_end_flush(struct loop_arg a)
+{
+    struct h2_end_loop *l = a.ctx;
+    u32 slot = (l->from + (u32)a.index) & (H2_STREAMS - 1);
+    u32 sid = VLD(l->hc->open[slot]);
+    if (sid && sid > l->above)
+        h2_finish(l->s, l->sk, l->c, l->hc, sid, l->why, l->now, 0);
+    return 0;
+}
+
 /* Tail call PROG_H2_END: emit the streams the scanners queued, end every open stream above
  * e->flush_above when asked, then resume the scan that called it. */
 int h2_end(void *ctx)
@@ -1092,26 +1162,17 @@ int h2_end(void *ctx)
         e->flush = 0;
         return 0;
     }
-    u64 now = bpf_ktime_get_ns();
-#pragma clang loop unroll(disable)
-    for (u32 k = 0; k < H2_ENDS; k++) {
-        if (k >= VLD(e->n))
-            break;
-        h2_finish(s, sk, c, hc, e->sid[k & (H2_ENDS - 1)], e->why[k & (H2_ENDS - 1)], now, 1);
-    }
+    struct h2_end_loop l = {.s = s, .c = c, .hc = hc, .e = e, .sk = sk,
+                            .now = bpf_ktime_get_ns()};
+    bpf_loop(H2_ENDS, LOOP_CB(h2_end_queued), &l, 0);
     e->n = 0;
     u16 why = e->flush;
     if (why) {
-        u32 above = e->flush_above;
-        u32 from = e->cursor;
-#pragma clang loop unroll(disable)
-        for (u32 k = 0; k < H2_FLUSH_SLOTS; k++) {
-            u32 slot = (from + k) & (H2_STREAMS - 1);
-            u32 sid = VLD(hc->open[slot]);
-            if (sid && sid > above)
-                h2_finish(s, sk, c, hc, sid, why, now, 0);
-        }
-        e->cursor = from + H2_FLUSH_SLOTS;
+        l.above = e->flush_above;
+        l.from = e->cursor;
+        l.why = why;
+        bpf_loop(H2_FLUSH_SLOTS, LOOP_CB(h2_end_flush), &l, 0);
+        e->cursor = l.from + H2_FLUSH_SLOTS;
         if (e->cursor < H2_STREAMS) {
             s->chain++;
             progs.call(ctx, PROG_H2_END);   /* the next slots */

@@ -180,7 +180,15 @@ TASK_MEMBERS = {
 }
 CFLAGS = ("-Wno-macro-redefined",)
 # bpf_loop callbacks of bpf/http.c, named in C by LOOP_CB(fn) and linked by the loader
-LOOP_CALLBACKS = ("scan_req_steps", "scan_resp_steps", "flush_conn_step")
+LOOP_CALLBACKS = (
+    "scan_req_steps",
+    "scan_resp_steps",
+    "flush_conn_step",
+    "h2_steps_rd",
+    "h2_steps_wr",
+    "h2_end_queued",
+    "h2_end_flush",
+)
 
 # perf_event_attr.config for PERF_TYPE_HW_CACHE: cache | (op << 8) | (result << 16)
 _HW_CACHE_DTLB, _HW_CACHE_ITLB, _OP_READ, _RESULT_MISS = 3, 4, 0, 1
