@@ -1,13 +1,13 @@
 """What the two socket-data programs (and the scanners they tail-call) cost per hit.
 
-    python -m bench.scanner_cost [--requests 1000] [--rounds 2] [--against DIR]
+    python -m bench.scanner_cost [--requests 1000] [--rounds 2] [--against DIR ...]
 
 Loads the probes in this process (port filter on two servers of its own: Go net/http and
 Python http.server), sends keep-alive requests and a chunked response workload, and prints
 ns per hit of `sock_recv_length` (+ `scan_req`) and `sock_send_length` (+ `scan_resp`) from
 kernel.bpf_stats_enabled (a tail call's time counts in the program that made it). With
---against DIR, the bpf/ sources in DIR (an older checkout, say) are measured the same way,
-interleaved, so the two sets of figures share the machine's load. Not part of `make bench`.
+--against DIR (repeatable), the bpf/ sources in DIR (an older checkout, say) are measured the
+same way, interleaved, so the sets of figures share the machine's load. Not part of `make bench`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def measure(src: Path, ports: tuple[int, int], requests: int) -> dict[str, dict[
     original = probes.bpf_source_dir
     probes.bpf_source_dir = lambda: src  # type: ignore[assignment]
     try:
-        p = probes.HttpProbes(probes.ProbeConfig(ports=ports), Metrics(), lambda _b: None)
+        p = probes.HttpProbes(probes.ProbeConfig(ports=ports), Metrics())
         p.start()
     finally:
         probes.bpf_source_dir = original  # type: ignore[assignment]
@@ -83,11 +83,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--against", type=Path, help="another bpf/ source directory to compare")
+    ap.add_argument(
+        "--against",
+        type=Path,
+        action="append",
+        default=[],
+        help="another bpf/ source directory to compare (repeatable)",
+    )
     args = ap.parse_args()
     variants = {"this tree": probes.bpf_source_dir()}
-    if args.against:
-        variants["against"] = args.against
+    variants.update({str(d): d for d in args.against})
     stats = m.BpfStatsSwitch()
     results: dict[str, dict[str, dict[str, list[float]]]] = {k: {} for k in variants}
     go, py = free_ports(2)
@@ -106,6 +111,7 @@ def main() -> int:
         for work, progs in works.items():
             cells = ", ".join(
                 f"{prog.removeprefix('tracepoint__sock__')} {statistics.median(v):,.0f} ns/hit"
+                f" [{min(v):,.0f}..{max(v):,.0f}]"
                 for prog, v in sorted(progs.items())
             )
             print(f"  {work:18} {cells}")
