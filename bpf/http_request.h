@@ -376,6 +376,23 @@ static __always_inline void request_done(struct conn *c)
     reset_parser(p, P_IDLE);
 }
 
+/* bpf_loop callback of scan_req: LOOP_STEPS steps of the request scan_req found or opened.
+ * 1 stops the loop; the scan's step result says why. */
+int scan_req_steps(struct loop_arg a)
+{
+    struct scan_loop *l = a.ctx;
+    struct scratch *s = l->s;
+    int r = STEP_GO;
+#pragma unroll 1
+    for (int k = 0; k < LOOP_STEPS; k++) {
+        r = step_req(s, l->c, l->rec);
+        if (r != STEP_GO)
+            break;
+    }
+    s->step = r;
+    return r != STEP_GO;
+}
+
 int scan_req(void *ctx)
 {
     int z = 0;
@@ -406,7 +423,7 @@ int scan_req(void *ctx)
         rec->flags |= REQF_TP_SPLIT;
     struct scan_loop l = {.s = s, .c = c, .rec = rec};
     s->step = STEP_GO;
-    bpf_loop(SCAN_CHUNK / LOOP_STEPS, LOOP_CB(scan_req_steps), &l, 0);  /* http_response.h */
+    bpf_loop(SCAN_CHUNK / LOOP_STEPS, LOOP_CB(scan_req_steps), &l, 0);
     r = VLD(s->step);
     /* Once its headers ended the request's traceparent is final: whether a span will be made
      * of it is decided here, once per scan rather than at every emit() (bpf/http_conn.h) */
