@@ -250,8 +250,8 @@ def link_callbacks(funcs: dict[str, FuncSpec]) -> dict[str, FuncSpec]:
         insns = bytearray(spec.insns)
         refs = list(spec.map_refs)
         starts: dict[str, int] = {}
-        for i, lo, hi in _ld_imm64(spec.insns):
-            if hi != _LOOP_CB_MARK or spec.insns[i * _INSN + 1] >> 4 != 0:
+        for i, src, lo, hi in _ld_imm64(spec.insns):
+            if hi != _LOOP_CB_MARK or src != 0:
                 continue
             callback = by_id.get(lo)
             if callback is None:
@@ -260,7 +260,7 @@ def link_callbacks(funcs: dict[str, FuncSpec]) -> dict[str, FuncSpec]:
                 )
             if callback not in starts:
                 cb = funcs[callback]
-                if any(h == _LOOP_CB_MARK for _, _, h in _ld_imm64(cb.insns)):
+                if any(h == _LOOP_CB_MARK for _, _, _, h in _ld_imm64(cb.insns)):
                     raise CompileError(f"{callback}: a bpf_loop callback names a callback itself")
                 starts[callback] = len(insns) // _INSN
                 insns += cb.insns
@@ -273,15 +273,15 @@ def link_callbacks(funcs: dict[str, FuncSpec]) -> dict[str, FuncSpec]:
     return linked
 
 
-def _ld_imm64(insns: bytes) -> list[tuple[int, int, int]]:
-    """(index, low 32 bits, high 32 bits) of each ld_imm64 in a program."""
+def _ld_imm64(insns: bytes) -> list[tuple[int, int, int, int]]:
+    """(index, src_reg, low 32 bits, high 32 bits) of each ld_imm64 in a program (two slots)."""
     out = []
     i = 0
     while i < len(insns) // _INSN:
         if insns[i * _INSN] == _LD_IMM64:
             lo = struct.unpack_from("<I", insns, i * _INSN + 4)[0]
             hi = struct.unpack_from("<I", insns, (i + 1) * _INSN + 4)[0]
-            out.append((i, lo, hi))
+            out.append((i, insns[i * _INSN + 1] >> 4, lo, hi))
             i += 2
         else:
             i += 1
@@ -291,20 +291,13 @@ def _ld_imm64(insns: bytes) -> list[tuple[int, int, int]]:
 def _map_refs(name: str, insns: bytes, fd_index: dict[int, int]) -> tuple[tuple[int, int], ...]:
     """Where the program names a map by fd; any other kind of relocation cannot be replayed."""
     refs = []
-    i = 0
-    while i < len(insns) // _INSN:
-        code, regs, _off, imm = struct.unpack_from("<BBhi", insns, i * _INSN)
-        if code == _LD_IMM64:
-            src = regs >> 4
-            if src == _PSEUDO_MAP_FD:
-                if imm not in fd_index:
-                    raise CompileError(f"{name}: instruction {i} names fd {imm}, not a map")
-                refs.append((i, fd_index[imm]))
-            elif src not in (0, _PSEUDO_FUNC):
-                raise CompileError(f"{name}: instruction {i}: ld_imm64 kind {src} is not kept")
-            i += 2
-        else:
-            i += 1
+    for i, src, fd, _ in _ld_imm64(insns):
+        if src == _PSEUDO_MAP_FD:
+            if fd not in fd_index:
+                raise CompileError(f"{name}: instruction {i} names fd {fd}, not a map")
+            refs.append((i, fd_index[fd]))
+        elif src not in (0, _PSEUDO_FUNC):
+            raise CompileError(f"{name}: instruction {i}: ld_imm64 kind {src} is not kept")
     return tuple(refs)
 
 
@@ -373,15 +366,15 @@ def obtain(text: str, cflags: list[str], cache_dir: Path | None) -> Obtained:
             return Obtained(entry, "cache", path, 0)
     with tempfile.TemporaryDirectory(prefix="tracejoin-compile-") as tmp:
         out = Path(tmp) / "entry.json"
-        entry, peak = _compile_in_child(text, cflags, key, out)
+        raw, peak = _compile_in_child(text, cflags, key, out)
         if path is not None:
-            _write_atomically(path, out.read_bytes())
-    return Obtained(entry, "compiled", path, peak)
+            _write_atomically(path, raw)
+    return Obtained(Entry.from_bytes(raw), "compiled", path, peak)
 
 
-def _compile_in_child(text: str, cflags: list[str], key: str, out: Path) -> tuple[Entry, int]:
-    """Run the compile in a child and return its entry and the child's own peak RSS (its
-    rusage, from wait4: the agent reaps it itself rather than through Popen)."""
+def _compile_in_child(text: str, cflags: list[str], key: str, out: Path) -> tuple[bytes, int]:
+    """Run the compile in a child and return its entry, as written, and the child's own peak
+    RSS (its rusage, from wait4: the agent reaps it itself rather than through Popen)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "tracejoin.kernel.compiled", str(out)],
         stdin=subprocess.PIPE,
@@ -398,7 +391,7 @@ def _compile_in_child(text: str, cflags: list[str], key: str, out: Path) -> tupl
     if proc.returncode != 0:
         lines = stderr.decode(errors="replace").strip().splitlines()
         raise CompileError("\n".join(lines[-40:]) or f"compiler exited {proc.returncode}")
-    return Entry.from_bytes(out.read_bytes()), usage.ru_maxrss * 1024
+    return out.read_bytes(), usage.ru_maxrss * 1024
 
 
 def _private_dir(path: Path) -> bool:
