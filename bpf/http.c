@@ -219,7 +219,10 @@ struct scratch {
     struct ws_note notes[WS_NOTES];
     u32 nnotes;                 /* notes written so far (the last WS_NOTES are kept) */
     u32 h2_tid;                 /* the thread whose exit h2_more waits for */
-    s32 step;                   /* STEP_*: what the last scanner steps of a bpf_loop returned */
+    s32 step;                   /* STEP_*: what the last steps of a bpf_loop returned (both
+                                 * directions' scanners, HTTP/2's decoder). Here, not in the
+                                 * caller's stack struct: a result written there costs the
+                                 * verifier 2-4x the instructions (bench.verifier_cost) */
 };
 
 /* A bpf_loop callback, named by a marker the loader links (agent/kernel/compiled.py): BCC keeps

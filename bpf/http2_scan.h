@@ -878,7 +878,7 @@ static __always_inline int h2_preface(struct scratch *s, struct h2conn *hc)
 }
 
 /* What h2_scan hands its bpf_loop callback (h2_steps_rd, h2_steps_wr), on its stack; the
- * callback replaces rec when a header block starts, and leaves its step result in r. */
+ * callback replaces rec when a header block starts. */
 struct h2_loop {
     struct scratch *s;
     struct conn *c;
@@ -886,10 +886,9 @@ struct h2_loop {
     struct h2dir *d;
     struct h2end *e;
     struct http_record *rec;
-    int r;
 };
 
-/* H2_LOOP_STEPS decoder steps; 1 stops the loop (l->r says why). */
+/* H2_LOOP_STEPS decoder steps; 1 stops the loop (scratch.step says why). */
 static __always_inline int h2_steps(struct h2_loop *l, int dir)
 {
     int r = STEP_GO;
@@ -916,7 +915,7 @@ static __always_inline int h2_steps(struct h2_loop *l, int dir)
             break;
         }
     }
-    l->r = r;
+    l->s->step = r;
     return r != STEP_GO;
 }
 
@@ -991,12 +990,13 @@ static __always_inline int h2_scan(void *ctx, int dir)
                               h2_block_rec(s, d) : ghost_record(sk);
     if (!rec)
         goto out;
-    struct h2_loop l = {.s = s, .c = c, .hc = hc, .d = d, .e = e, .rec = rec, .r = STEP_GO};
+    struct h2_loop l = {.s = s, .c = c, .hc = hc, .d = d, .e = e, .rec = rec};
+    s->step = STEP_GO;
     if (dir == DIR_RD)
         bpf_loop(H2_STEPS / H2_LOOP_STEPS, LOOP_CB(h2_steps_rd), &l, 0);
     else
         bpf_loop(H2_STEPS / H2_LOOP_STEPS, LOOP_CB(h2_steps_wr), &l, 0);
-    r = VLD(l.r);
+    r = VLD(s->step);
     if (r == H2_NOT_H2) {
         c->flags |= CONN_IGNORED;
         h2conns.delete(&sk);
