@@ -240,8 +240,8 @@ class ProbeConfig:
     cuda_launches: bool = False  # ... kernel launches too (on the critical path: opt-in)
     cuda_sync_threshold_ns: int = 1_000_000  # synchronisations kept as child spans
     # Verify the HTTP/2 programs in a thread once start() returns (tracejoin run: ready and
-    # HTTP/1.x traced seconds sooner, docs/performance.md); False: start() loads them too
-    # (capture, tests).
+    # HTTP/1.x traced sooner, by ~0.1-0.25 s since their loops are bpf_loop callbacks,
+    # docs/performance.md); False: start() loads them too (capture, tests).
     http2_after_ready: bool = False
     # Keep the compiled programs here, so a later start on this kernel loads them instead of
     # compiling (agent/kernel/compiled.py); None: compile in a child at every start
@@ -459,9 +459,9 @@ class HttpProbes:
         if "WITH_WORKSET" in knobs:  # the work set's wake handler, behind its raw tracepoints
             tail_calls.append((b"ws_progs", 0, "ws_wake_prog", BPF.RAW_TRACEPOINT))
         try:
-            # Everything HTTP/1.x needs is verified at once on every CPU, the two scanners
-            # (~1.2 s of verifier each) first: the verifier runs in the loading thread, so the
-            # wall time approaches the verifier's CPU time over the CPUs (bench.startup).
+            # Everything HTTP/1.x needs is verified at once on every CPU, the largest first:
+            # the verifier runs in the loading thread, so the wall time approaches the
+            # verifier's CPU time over the CPUs (bench.startup, bench.verifier_cost).
             # Then the tail-call slots are filled and only then does anything attach, so no
             # request is seen by a program whose tail calls are not there yet.
             programs = [(name, kind) for _, _, name, kind in tail_calls]
