@@ -322,7 +322,7 @@ class AgentRun:
     load_s: float = 0.0  # the agent's own figure: compile (or cache read) + load + attach
     bpf_source: str = ""  # "compiled" (in a child, this start) or "cache"
     compile_s: float = 0.0  # the child's compile, when it ran
-    compile_peak_mb: float = 0.0  # the child's peak RSS, when it ran
+    compile_peak_mb: float = 0.0  # the compiling children's peak RSS, summed, when they ran
     # process start -> HTTP/2 on (verified after ready: its own log line; start() waits for it,
     # since the verifier's CPU is the agent's and its programs are measured too)
     http2_s: float = 0.0
@@ -361,7 +361,11 @@ class AgentRun:
             assert self.proc is not None and self.proc.stderr is not None
             for line in self.proc.stderr:
                 self.log.append(line.rstrip())
-                c = re.search(r"compiled in a child process in ([\d.]+)s \(peak (\d+) MiB\)", line)
+                c = re.search(
+                    r"compiled in (?:a child process|\d+ child processes at once) in ([\d.]+)s"
+                    r" \(peaks? (\d+) MiB",
+                    line,
+                )
                 if c:
                     self.bpf_source = "compiled"
                     self.compile_s, self.compile_peak_mb = float(c.group(1)), float(c.group(2))

@@ -268,7 +268,8 @@ class Bench:
         )
         agent.start()
         how = (
-            f"compiled in a child in {agent.compile_s:.1f} s, peak {agent.compile_peak_mb:.0f} MB"
+            f"compiled in child processes in {agent.compile_s:.1f} s, "
+            f"peaks {agent.compile_peak_mb:.0f} MB summed"
             if agent.bpf_source == "compiled"
             else "compiled programs from the cache"
         )
@@ -794,11 +795,12 @@ def format_report(res: dict[str, Any]) -> str:
     compiles = [a for a in ag["runs"] if a.get("bpf_source") == "compiled"]
     if compiles:
         L.append(
-            f"   compiles: {len(compiles)} of {len(ag['runs'])} starts, in a child process: "
+            f"   compiles: {len(compiles)} of {len(ag['runs'])} starts, in child processes: "
             + "; ".join(
-                f"{a['compile_s']:.1f} s, its peak {a['compile_peak_mb']:.0f} MB" for a in compiles
+                f"{a['compile_s']:.1f} s, peaks {a['compile_peak_mb']:.0f} MB summed"
+                for a in compiles
             )
-            + " (a separate process, gone before ready); the other starts loaded the cache"
+            + " (separate processes, gone before ready); the other starts loaded the cache"
         )
     L.append(
         f"   peak RSS: {max(a['peak_rss_mb'] for a in ag['runs']):.0f} MB (VmHWM); at stop "

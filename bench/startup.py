@@ -7,10 +7,11 @@
 
 Each run is two fresh interpreters (children of this one) doing what HttpProbes.start() does,
 timing each step and reading /proc/self/status after it: VmHWM (peak RSS so far), RssAnon,
-RssFile. The first finds an empty cache of compiled programs (a first start on a node: a child
-process compiles, agent/kernel/compiled.py), the second the entry the first kept (every later
-start). Each step is timed through a wrapper around the function start() calls for it; `--agent`
-times `tracejoin run` itself, exec to ready, on an empty cache and then on the one it kept.
+RssFile. The first finds an empty cache of compiled programs (a first start on a node: child
+processes compile, HTTP/2's programs beside the rest, agent/kernel/compiled.py), the second the
+entry the first kept (every later start). Each step is timed through a wrapper around the
+function start() calls for it; `--agent` times `tracejoin run` itself, exec to ready, on an
+empty cache and then on the one it kept.
 Requires root (it loads the real programs); prints a table of medians over the runs.
 """
 
@@ -87,7 +88,7 @@ o = got["it"]
 what = (
     "cache: read the entry"
     if o.source == "cache"
-    else f"compile in a child process (its peak {o.compile_peak_bytes >> 20} MiB)"
+    else f"compile in child processes (peaks summed {o.compile_peak_bytes >> 20} MiB)"
 )
 rows.append((what, spent["obtain"], spent["obtain mem"]))
 rows.append(("create the maps", spent["maps"], spent["maps mem"]))

@@ -1,4 +1,4 @@
-"""The probes' compiled form (agent/kernel/compiled.py): compiled in a child process, kept in a
+"""The probes' compiled form (agent/kernel/compiled.py): compiled in child processes, kept in a
 root-only cache, and loaded by later starts without compiling; what a cached start traces is
 what a compiled one does."""
 
@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 from harness import Agent, free_ports, new_traceparent, raw_request, server
+from tracejoin.core.metrics import Metrics
 from tracejoin.kernel import compiled
 from tracejoin.kernel.compiled import CompileError, Entry, FuncSpec, MapSpec
-from tracejoin.kernel.probes import ProbeConfig
+from tracejoin.kernel.probes import COMPILED_APART, HttpProbes, ProbeConfig, compiled_apart
 
 
 def _insn(code: int, src: int = 0, imm: int = 0) -> bytes:
@@ -73,6 +74,88 @@ def test_a_bpf_loop_callback_is_linked_into_each_program_that_names_it():
     nested = {"prog": FuncSpec(prog[16:], ()), "cb": FuncSpec(marker + _insn(0x95), ())}
     with pytest.raises(CompileError, match="names a callback itself"):
         compiled.link_callbacks(nested)
+
+
+_UNITS_TEXT = """\
+BPF_ARRAY(counters, u64, 4);
+static __always_inline int helper(int x)
+{
+    return x + 1;
+}
+TRACEPOINT_PROBE(sched, sched_switch)
+{
+    return helper(1);
+}
+RAW_TRACEPOINT_PROBE(sched_waking) { return helper(2); }
+int h2_scan(void *ctx)
+{
+    if (helper(3))
+        return 0;
+    return 1;
+}
+int h2_steps(struct loop_arg a) { return helper(4); }
+PROGRAMS(ENTRY)
+"""
+
+
+def test_a_text_splits_into_the_programs_apart_and_the_rest():
+    """Each unit keeps every declaration, helper and map, and only its own programs, whole,
+    whether defined by a probe macro or as `int name(`, on one line or many; a program made
+    by another macro stays in both (merge keeps one)."""
+    rest, apart = compiled.unit_texts(_UNITS_TEXT, lambda name: name.startswith("h2_"))
+    for unit in (rest, apart):
+        assert "BPF_ARRAY(counters" in unit and "return x + 1;" in unit
+        assert unit.endswith("PROGRAMS(ENTRY)\n")
+    assert "sched_switch" in rest and "sched_waking" in rest and "return helper(1);" in rest
+    assert "h2_" not in rest and "helper(3)" not in rest and "return 1;" not in rest
+    assert "h2_scan" in apart and "return 1;" in apart and "h2_steps" in apart
+    assert "sched_switch" not in apart and "helper(1)" not in apart and "helper(2)" not in apart
+    assert rest.count("}") == apart.count("}") == 3  # the helper's and two programs', whole
+    assert compiled.unit_texts(_UNITS_TEXT, lambda name: False) == [_UNITS_TEXT]
+    switch = compiled.unit_texts(_UNITS_TEXT, lambda n: n == "tracepoint__sched__sched_switch")
+    assert "sched_switch" not in switch[0] and "sched_waking" not in switch[1]
+
+
+def test_units_merge_by_map_name_and_must_agree():
+    """A unit's map references are renumbered to the merged map list by name; a program both
+    units compiled is kept once; units that disagree on a map or a program are refused."""
+    a = MapSpec("a", "a", 2, 4, 8, 1, 0, '"int"', '"u64"')
+    b = MapSpec("b", "b", 2, 4, 8, 2, 0, '"int"', '"u64"')
+    ref = _insn(0x18, 1, 7) + _insn(0) + _insn(0x95)
+    one = Entry("k", "GPL", 0, (a, b), {"f": FuncSpec(ref, ((0, 1),)), "both": FuncSpec(ref, ())})
+    two = Entry("k", "GPL", 0, (b, a), {"g": FuncSpec(ref, ((0, 1),)), "both": FuncSpec(ref, ())})
+    merged = compiled.merge([one, two])
+    assert merged.maps == (a, b)
+    assert merged.funcs["f"].map_refs == ((0, 1),) and merged.funcs["g"].map_refs == ((0, 0),)
+    assert set(merged.funcs) == {"f", "both", "g"}
+    bigger = MapSpec("a", "a", 2, 4, 8, 99, 0, '"int"', '"u64"')
+    with pytest.raises(CompileError, match="map a: the compile units made it differently"):
+        compiled.merge([one, Entry("k", "GPL", 0, (bigger,), {})])
+    other = Entry("k", "GPL", 0, (a, b), {"both": FuncSpec(_insn(0x95), ())})
+    with pytest.raises(CompileError, match="both: the compile units compiled it differently"):
+        compiled.merge([one, other])
+
+
+@pytest.mark.privileged
+def test_the_probes_compiled_as_two_units_are_the_probes_compiled_as_one(require_root, tmp_path):
+    """The agent's own text (CUDA's macro-made programs in both units) compiled by two
+    children, HTTP/2's programs and COMPILED_APART in the second, merges into exactly the
+    entry one compile makes: the same programs, instructions, map references and maps."""
+    probes = HttpProbes(ProbeConfig(cuda=True), Metrics())
+    text, cflags = probes.render()
+    assert "WITH_CUDA" in probes.plan()
+    units = compiled.unit_texts(text, compiled_apart)
+    assert len(units) == 2
+    split, peak = compiled._compile_in_children(units, cflags, "k", tmp_path)
+    assert (
+        {n for n in split[1].funcs if not n.startswith("cuda_")}
+        == {n for n in split[1].funcs if compiled_apart(n)}
+        >= {"h2_scan_rd", "h2_end", *COMPILED_APART}
+    )
+    assert not any(compiled_apart(n) for n in split[0].funcs)
+    (one,), _ = compiled._compile_in_children([text], cflags, "k", tmp_path)
+    assert compiled.merge(split) == compiled.merge([one])
+    assert peak > 100 * 2**20  # two compilers' peaks
 
 
 def test_the_key_covers_the_text_and_the_flags():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -159,7 +160,9 @@ def test_start_compiles_in_a_child_and_releases_the_compilers_code(require_root)
     try:
         probe.start()
         assert probe.status.bpf_source == "compiled" and probe.status.bpf_cache_path == ""
-        assert probe.status.compile_peak_bytes > 50 * 2**20  # the child's, not ours
+        assert probe.status.compile_peak_bytes > 50 * 2**20  # the children's, not ours
+        # two compilers at once, where there are two CPUs for them
+        assert probe.status.compile_units == min(2, len(os.sched_getaffinity(0)))
         assert probe.status.code_released_bytes > 8 * 2**20
         again = BPF(text=b"int empty(void *ctx) { return 0; }")  # runs clang and LLVM again
         try:

@@ -34,12 +34,14 @@ import hashlib
 import json
 import logging
 import os
+import re
 import stat
 import struct
 import subprocess
 import sys
 import tempfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,7 +179,8 @@ def _loaded_path(soname: str) -> str:
 
 
 def extract(bpf: Any, key: str) -> Entry:
-    """The entry for a BPF module BCC has just compiled in this process (no program loaded)."""
+    """What BCC has just compiled in this process (no program loaded), as an entry whose
+    callbacks are not linked yet (merge() links them)."""
     from bcc.libbcc import lib
 
     module = bpf.module
@@ -223,8 +226,75 @@ def extract(bpf: Any, key: str) -> Entry:
         license=lib.bpf_module_license(module).decode(),
         kern_version=int(lib.bpf_module_kern_version(module)),
         maps=tuple(maps),
-        funcs=link_callbacks(funcs),
+        funcs=funcs,
     )
+
+
+# A program's definition in our C: it begins at column 0 and ends at the first line that
+# begins with "}" (or on its own line). BCC names a probe macro's function as below.
+_PROGRAM = re.compile(
+    r"^(?:TRACEPOINT_PROBE\((\w+),\s*(\w+)\)|RAW_TRACEPOINT_PROBE\((\w+)\)|int (\w+)\()"
+)
+
+
+def _program_name(m: re.Match[str]) -> str:
+    if m.group(1):
+        return f"tracepoint__{m.group(1)}__{m.group(2)}"
+    if m.group(3):
+        return f"raw_tracepoint__{m.group(3)}"
+    return m.group(4)
+
+
+def unit_texts(text: str, apart: Callable[[str], bool]) -> list[str]:
+    """`text` as two compile units: one without the programs `apart` names, one with only
+    them (and every other declaration, helper and map). Each compiles in a compiler of its
+    own, at once on two CPUs (`obtain`); clang compiles a helper only where a program of its
+    unit calls it, so the two share out the optimiser's and code generator's work. A program
+    defined by another macro (CUDA's CUDA_ENTRY) stays in both: merge() keeps one. One unit
+    (the text itself) when `apart` names none."""
+    units: list[list[str]] = [[], []]
+    skipping = [False, False]
+    named = False
+    for line in text.split("\n"):
+        m = _PROGRAM.match(line)
+        is_apart = m is not None and apart(_program_name(m))
+        named = named or is_apart
+        for unit, out in enumerate(units):
+            if skipping[unit]:
+                skipping[unit] = not line.startswith("}")
+                continue
+            if m is not None and is_apart != (unit == 1):  # this program is the other unit's
+                skipping[unit] = not line.rstrip().endswith("}")
+                continue
+            out.append(line)
+    if not named:
+        return [text]
+    return ["\n".join(lines) for lines in units]
+
+
+def merge(units: list[Entry]) -> Entry:
+    """One entry from the units compiled apart: every unit created the same maps from the same
+    declarations, so a program's map references are renumbered by map name; a program in two
+    units must have compiled the same. The bpf_loop callbacks are linked last: a callback need
+    not be in its caller's unit."""
+    maps: list[MapSpec] = []
+    index: dict[str, int] = {}
+    funcs: dict[str, FuncSpec] = {}
+    for unit in units:
+        renumber = []
+        for spec in unit.maps:
+            if spec.name not in index:
+                index[spec.name] = len(maps)
+                maps.append(spec)
+            elif maps[index[spec.name]] != spec:
+                raise CompileError(f"map {spec.name}: the compile units made it differently")
+            renumber.append(index[spec.name])
+        for name, f in unit.funcs.items():
+            spec_f = FuncSpec(f.insns, tuple((at, renumber[m]) for at, m in f.map_refs))
+            if funcs.setdefault(name, spec_f) != spec_f:
+                raise CompileError(f"{name}: the compile units compiled it differently")
+    first = units[0]
+    return Entry(first.key, first.license, first.kern_version, tuple(maps), link_callbacks(funcs))
 
 
 def loop_callback_defines(names: tuple[str, ...]) -> list[str]:
@@ -313,6 +383,12 @@ def _obj_info(fd: int, size: int) -> bytes:
 
 
 def _compile_here(text: str, cflags: list[str], key: str) -> Entry:
+    """The entry for `text`, compiled in this process (tools and tests; the agent compiles in
+    a child, `obtain`)."""
+    return merge([_compile_unit(text, cflags, key)])
+
+
+def _compile_unit(text: str, cflags: list[str], key: str) -> Entry:
     from bcc import BPF
 
     class CompileOnly(BPF):
@@ -331,10 +407,11 @@ def _compile_here(text: str, cflags: list[str], key: str) -> Entry:
 
 def _child_main() -> int:
     """`python -m tracejoin.kernel.compiled OUT`: compile the text on stdin ({"text", "cflags",
-    "key"} as JSON) and write the entry to OUT. Exit 2 with the reason on stderr if not."""
+    "key"} as JSON) and write its unlinked entry to OUT. Exit 2 with the reason on stderr if
+    not."""
     job = json.load(sys.stdin)
     try:
-        entry = _compile_here(job["text"], job["cflags"], job["key"])
+        entry = _compile_unit(job["text"], job["cflags"], job["key"])
     except CompileError as exc:
         print(str(exc), file=sys.stderr)
         return 2
@@ -350,12 +427,17 @@ class Obtained:
     entry: Entry
     source: str  # "cache": an entry on disk; "compiled": compiled in a child for this start
     path: Path | None  # where the entry is kept (None: not kept)
-    compile_peak_bytes: int  # the child's peak resident memory (0 from the cache)
+    compile_peak_bytes: int  # the children's peak resident memory, summed (0 from the cache)
+    units: int  # compile units, one child each, run at once (0 from the cache)
 
 
-def obtain(text: str, cflags: list[str], cache_dir: Path | None) -> Obtained:
-    """The compiled form of `text`: the cache's entry for it, or one compiled now in a child
-    process (and kept in cache_dir when there is one and it is safe to write)."""
+def obtain(
+    text: str, cflags: list[str], cache_dir: Path | None, apart: Callable[[str], bool] | None = None
+) -> Obtained:
+    """The compiled form of `text`: the cache's entry for it, or one compiled now in child
+    processes (and kept in cache_dir when there is one and it is safe to write). With `apart`
+    and two CPUs to run on, the programs it names compile in a second child beside the first
+    (unit_texts); the entry is the same either way."""
     key = cache_key(text, cflags)
     usable = cache_dir is not None and _private_dir(cache_dir)
     path = cache_dir / f"{key}.bpf.json" if usable and cache_dir is not None else None
@@ -363,35 +445,51 @@ def obtain(text: str, cflags: list[str], cache_dir: Path | None) -> Obtained:
         entry = _read_entry(path, key)
         if entry is not None:
             _touch(path)  # recently used: kept when the cache is pruned
-            return Obtained(entry, "cache", path, 0)
+            return Obtained(entry, "cache", path, 0, 0)
+    two_cpus = len(os.sched_getaffinity(0)) >= 2
+    units = unit_texts(text, apart) if apart is not None and two_cpus else [text]
     with tempfile.TemporaryDirectory(prefix="tracejoin-compile-") as tmp:
-        out = Path(tmp) / "entry.json"
-        raw, peak = _compile_in_child(text, cflags, key, out)
-        if path is not None:
-            _write_atomically(path, raw)
-    return Obtained(Entry.from_bytes(raw), "compiled", path, peak)
+        compiled_units, peak = _compile_in_children(units, cflags, key, Path(tmp))
+    entry = merge(compiled_units)
+    if path is not None:
+        _write_atomically(path, entry.to_bytes())
+    return Obtained(entry, "compiled", path, peak, len(units))
 
 
-def _compile_in_child(text: str, cflags: list[str], key: str, out: Path) -> tuple[bytes, int]:
-    """Run the compile in a child and return its entry, as written, and the child's own peak
-    RSS (its rusage, from wait4: the agent reaps it itself rather than through Popen)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tracejoin.kernel.compiled", str(out)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    assert proc.stdin is not None and proc.stderr is not None
-    with proc.stdin:  # the child reads all of it before it writes anything
-        proc.stdin.write(json.dumps({"text": text, "cflags": cflags, "key": key}).encode())
-    with proc.stderr:
-        stderr = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        lines = stderr.decode(errors="replace").strip().splitlines()
-        raise CompileError("\n".join(lines[-40:]) or f"compiler exited {proc.returncode}")
-    return out.read_bytes(), usage.ru_maxrss * 1024
+def _compile_in_children(
+    units: list[str], cflags: list[str], key: str, tmp: Path
+) -> tuple[list[Entry], int]:
+    """Compile each unit in a child of its own, all at once, and return their entries and
+    the children's peak resident memory, summed (they run together). The agent reaps each
+    child itself (wait4) for its rusage; stderr goes to a file, so a chatty compiler never
+    waits on a pipe this process is not yet reading."""
+    children = []
+    for n, unit in enumerate(units):
+        out, err = tmp / f"unit{n}.json", tmp / f"unit{n}.err"
+        with err.open("wb") as err_file:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tracejoin.kernel.compiled", str(out)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=err_file,
+            )
+        assert proc.stdin is not None
+        with proc.stdin:  # the child reads all of it before it writes anything
+            proc.stdin.write(json.dumps({"text": unit, "cflags": cflags, "key": key}).encode())
+        children.append((proc, out, err))
+    entries, peak, failed = [], 0, []
+    for proc, out, err in children:
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        peak += usage.ru_maxrss * 1024
+        if proc.returncode != 0:
+            lines = err.read_bytes().decode(errors="replace").strip().splitlines()
+            failed.append("\n".join(lines[-40:]) or f"compiler exited {proc.returncode}")
+        else:
+            entries.append(Entry.from_bytes(out.read_bytes()))
+    if failed:
+        raise CompileError(failed[0])
+    return entries, peak
 
 
 def _private_dir(path: Path) -> bool:
