@@ -21,10 +21,19 @@ static __always_inline int remember(int dir, u32 fd, u64 ptr, u64 len, u32 kind)
     return 0;
 }
 
+/* The head of the message header recvmsg/sendmsg take from user space (the kernel's struct
+ * user_msghdr, in linux/socket.h: the ABI's struct msghdr), as far as its iovec array. */
+struct msghdr_head {
+    void *msg_name;
+    int msg_namelen;
+    struct iovec *msg_iov;
+    __kernel_size_t msg_iovlen;
+};
+
 /* recvmsg/sendmsg: the iovec array the message header points to. */
-static __always_inline int remember_msg(int dir, u32 fd, const struct user_msghdr *msg)
+static __always_inline int remember_msg(int dir, u32 fd, const void *msg)
 {
-    struct user_msghdr m = {};
+    struct msghdr_head m = {};
     if (bpf_probe_read_user(&m, sizeof(m), msg) != 0)
         return remember(dir, fd, 0, 0, IO_NONE);
     return remember(dir, fd, (u64)m.msg_iov, m.msg_iovlen, IO_IOV);
