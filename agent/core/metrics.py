@@ -257,7 +257,7 @@ METRICS: tuple[Metric, ...] = (
     gauge(
         "probe_programs_from_cache",
         "1: this start loaded the compiled programs from --bpf-cache; 0: it compiled them (in "
-        "a child process).",
+        "child processes).",
     ),
     gauge("ready", "1 while /readyz answers 200."),
     gauge("build_info", "Always 1; the version label is tracejoin's.", "version"),
