@@ -136,6 +136,35 @@ def test_units_merge_by_map_name_and_must_agree():
         compiled.merge([one, other])
 
 
+def test_two_compilers_only_where_the_memory_cgroup_has_room_for_them(tmp_path, monkeypatch):
+    """The least room (limit less usage) over this cgroup and those above it, v2 or v1's
+    memory controller; no limit anywhere: None. Under TWO_COMPILERS_BYTES: one compiler."""
+    mib = 2**20
+
+    def group(path: str, files: dict[str, str]) -> None:
+        d = tmp_path / path
+        d.mkdir(parents=True, exist_ok=True)
+        for name, value in files.items():
+            (d / name).write_text(value + "\n")
+
+    group("kubepods/pod1/ctr", {"memory.max": "max", "memory.current": str(100 * mib)})
+    group("kubepods/pod1", {"memory.max": str(512 * mib), "memory.current": str(300 * mib)})
+    group("kubepods", {"memory.max": "max", "memory.current": str(900 * mib)})
+    assert compiled.memory_headroom("0::/kubepods/pod1/ctr\n", tmp_path) == 212 * mib
+    assert compiled.memory_headroom("0::/kubepods\n", tmp_path) is None  # no limit
+    unlimited = str(9223372036854771712)
+    group("memory/api/x", {"memory.limit_in_bytes": unlimited, "memory.usage_in_bytes": "5"})
+    v1 = "4:memory:/api/x\n0::/\n"  # a hybrid host: v1's memory controller decides
+    assert compiled.memory_headroom(v1, tmp_path) is None
+    group("memory/api", {"memory.limit_in_bytes": str(1024 * mib), "memory.usage_in_bytes": "0"})
+    assert compiled.memory_headroom(v1, tmp_path) == 1024 * mib
+    assert compiled.memory_headroom("", tmp_path) is None
+    monkeypatch.setattr(compiled, "memory_headroom", lambda: 212 * mib)
+    assert not compiled._room_for_two()
+    monkeypatch.setattr(compiled, "memory_headroom", lambda: None)
+    assert compiled._room_for_two() == (len(os.sched_getaffinity(0)) >= 2)
+
+
 @pytest.mark.privileged
 def test_the_probes_compiled_as_two_units_are_the_probes_compiled_as_one(require_root, tmp_path):
     """The agent's own text (CUDA's macro-made programs in both units) compiled by two

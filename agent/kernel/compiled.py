@@ -435,9 +435,9 @@ def obtain(
     text: str, cflags: list[str], cache_dir: Path | None, apart: Callable[[str], bool] | None = None
 ) -> Obtained:
     """The compiled form of `text`: the cache's entry for it, or one compiled now in child
-    processes (and kept in cache_dir when there is one and it is safe to write). With `apart`
-    and two CPUs to run on, the programs it names compile in a second child beside the first
-    (unit_texts); the entry is the same either way."""
+    processes (and kept in cache_dir when there is one and it is safe to write). With `apart`,
+    two CPUs to run on and the memory for two compilers, the programs it names compile in a
+    second child beside the first (unit_texts); the entry is the same either way."""
     key = cache_key(text, cflags)
     usable = cache_dir is not None and _private_dir(cache_dir)
     path = cache_dir / f"{key}.bpf.json" if usable and cache_dir is not None else None
@@ -446,14 +446,75 @@ def obtain(
         if entry is not None:
             _touch(path)  # recently used: kept when the cache is pruned
             return Obtained(entry, "cache", path, 0, 0)
-    two_cpus = len(os.sched_getaffinity(0)) >= 2
-    units = unit_texts(text, apart) if apart is not None and two_cpus else [text]
+    units = unit_texts(text, apart) if apart is not None and _room_for_two() else [text]
     with tempfile.TemporaryDirectory(prefix="tracejoin-compile-") as tmp:
         compiled_units, peak = _compile_in_children(units, cflags, key, Path(tmp))
     entry = merge(compiled_units)
     if path is not None:
         _write_atomically(path, entry.to_bytes())
     return Obtained(entry, "compiled", path, peak, len(units))
+
+
+# Two compilers at once peak ~290 MiB together (one: ~150 MiB; bench.compile_units): a memory
+# cgroup with less room than this above what it holds now gets one, so a tight pod limit
+# slows a first start instead of having the kernel kill a compiler.
+TWO_COMPILERS_BYTES = 400 << 20
+_CGROUP_FS = Path("/sys/fs/cgroup")
+_NO_LIMIT = 1 << 62  # cgroup v1 reports "no limit" as a page-rounded LONG_MAX
+
+
+def _room_for_two() -> bool:
+    if len(os.sched_getaffinity(0)) < 2:
+        return False
+    headroom = memory_headroom()
+    if headroom is None or headroom >= TWO_COMPILERS_BYTES:
+        return True
+    log.info(
+        "compiling in one child: the memory cgroup has %d MiB of room, two compilers at once "
+        "need ~%d",
+        headroom >> 20,
+        TWO_COMPILERS_BYTES >> 20,
+    )
+    return False
+
+
+def memory_headroom(proc_cgroup: str | None = None, fs: Path = _CGROUP_FS) -> int | None:
+    """Bytes this process's memory cgroup may still charge: the least, over its cgroup and
+    those above it, of limit less usage (cgroup v1's memory controller where it is mounted,
+    else v2's). None when no limit applies or none can be read."""
+    try:
+        text = proc_cgroup if proc_cgroup is not None else Path("/proc/self/cgroup").read_text()
+    except OSError:
+        return None
+    v1 = v2 = None
+    for line in text.splitlines():
+        hid, controllers, path = [*line.split(":", 2), "", ""][:3]
+        if "memory" in controllers.split(","):
+            v1 = path
+        elif hid == "0" and controllers == "":
+            v2 = path
+    if v1 is not None:
+        base, files = fs / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        path = v1
+    elif v2 is not None:
+        base, files, path = fs, ("memory.max", "memory.current"), v2
+    else:
+        return None
+    least = None
+    group = base / path.lstrip("/")
+    while True:
+        try:
+            raw = (group / files[0]).read_text().strip()
+            limit = _NO_LIMIT if raw == "max" else int(raw)
+            usage = int((group / files[1]).read_text())
+        except (OSError, ValueError):  # not a cgroup with a limit (the root has none)
+            limit, usage = _NO_LIMIT, 0
+        if limit < _NO_LIMIT:
+            room = max(0, limit - usage)
+            least = room if least is None else min(least, room)
+        if group == base or base not in group.parents:
+            return least
+        group = group.parent
 
 
 def _compile_in_children(
