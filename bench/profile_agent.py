@@ -4,7 +4,7 @@
                                         [--batch-ms N] [--destination otlp|file] [--gc]
                                         [--unsampled] [--kernel-policy on|off]
                                         [--encoder compiled|join|python] [--ring compiled|bcc]
-                                        [--save-records PATH]
+                                        [--save-records PATH] [--poll-ms N]
 
 Builds the pipeline the way `tracejoin run` does (the daemon's span builder and destination:
 OTLP/HTTP protobuf to bench/otlp_sink, or the OTLP-JSON file on tmpfs), starts the Go test
@@ -241,6 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--batch-ms", type=float, default=0.0, help="the batched reader (see above)")
+    ap.add_argument(
+        "--poll-ms",
+        type=int,
+        default=0,
+        help="the reader's wait between batches (stages.POLL_MS) for this run, to compare values",
+    )
     ap.add_argument("--destination", choices=["otlp", "file"], default="otlp")
     ap.add_argument("--gc", action="store_true", help="the proposed GC tuning (see above)")
     ap.add_argument(
@@ -286,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.sched_setaffinity(0, {0})
     LOAD_CPU[0] = args.load_cpu
+    if args.poll_ms:
+        from tracejoin.pipeline import stages
+
+        stages.POLL_MS = args.poll_ms  # the read loop reads it at each batch
     if args.gc:
         gc.freeze()
         gc.set_threshold(100_000, 50, 50)

@@ -14,7 +14,8 @@ from harness import Agent, free_ports, new_traceparent, raw_request, server
 from tracejoin.core.metrics import Metrics
 from tracejoin.kernel import compiled
 from tracejoin.kernel.compiled import CompileError, Entry, FuncSpec, MapSpec
-from tracejoin.kernel.probes import COMPILED_APART, HttpProbes, ProbeConfig, compiled_apart
+from tracejoin.kernel.cuda import load_apis
+from tracejoin.kernel.probes import HttpProbes, ProbeConfig, bpf_source_dir, compiled_apart
 
 
 def _insn(code: int, src: int = 0, imm: int = 0) -> bytes:
@@ -95,17 +96,24 @@ int h2_scan(void *ctx)
 }
 int h2_steps(struct loop_arg a) { return helper(4); }
 PROGRAMS(ENTRY)
+PROGRAMS(H2_ENTRY)
+int made_elsewhere(void *ctx);
 """
 
 
 def test_a_text_splits_into_the_programs_apart_and_the_rest():
     """Each unit keeps every declaration, helper and map, and only its own programs, whole,
-    whether defined by a probe macro or as `int name(`, on one line or many; a program made
-    by another macro stays in both (merge keeps one)."""
-    rest, apart = compiled.unit_texts(_UNITS_TEXT, lambda name: name.startswith("h2_"))
+    whether defined by a probe macro or as `int name(`, on one line or many, or made by an
+    X-macro line (named by its text)."""
+    rest, apart = compiled.unit_texts(
+        _UNITS_TEXT, lambda name: name.startswith("h2_") or name == "PROGRAMS(H2_ENTRY)"
+    )
     for unit in (rest, apart):
         assert "BPF_ARRAY(counters" in unit and "return x + 1;" in unit
-        assert unit.endswith("PROGRAMS(ENTRY)\n")
+    assert "PROGRAMS(ENTRY)" in rest and "PROGRAMS(H2_ENTRY)" not in rest
+    assert "PROGRAMS(H2_ENTRY)" in apart and "PROGRAMS(ENTRY)" not in apart
+    for unit in (rest, apart):  # a declaration is no definition: both keep it, and what follows
+        assert unit.endswith("int made_elsewhere(void *ctx);\n")
     assert "sched_switch" in rest and "sched_waking" in rest and "return helper(1);" in rest
     assert "h2_" not in rest and "helper(3)" not in rest and "return 1;" not in rest
     assert "h2_scan" in apart and "return 1;" in apart and "h2_steps" in apart
@@ -167,21 +175,26 @@ def test_two_compilers_only_where_the_memory_cgroup_has_room_for_them(tmp_path, 
 
 @pytest.mark.privileged
 def test_the_probes_compiled_as_two_units_are_the_probes_compiled_as_one(require_root, tmp_path):
-    """The agent's own text (CUDA's macro-made programs in both units) compiled by two
-    children, HTTP/2's programs and COMPILED_APART in the second, merges into exactly the
-    entry one compile makes: the same programs, instructions, map references and maps."""
+    """The agent's own text, CUDA's X-macro programs included, compiled by two children,
+    HTTP/2's programs and COMPILED_APART in the second, merges into exactly the entry one
+    compile makes: the same programs, instructions, map references and maps. No program is
+    compiled twice; each group of CUDA entries is in one unit."""
     probes = HttpProbes(ProbeConfig(cuda=True), Metrics())
     text, cflags = probes.render()
     assert "WITH_CUDA" in probes.plan()
     units = compiled.unit_texts(text, compiled_apart)
     assert len(units) == 2
     split, peak = compiled._compile_in_children(units, cflags, "k", tmp_path)
-    assert (
-        {n for n in split[1].funcs if not n.startswith("cuda_")}
-        == {n for n in split[1].funcs if compiled_apart(n)}
-        >= {"h2_scan_rd", "h2_end", *COMPILED_APART}
-    )
+    assert not set(split[0].funcs) & set(split[1].funcs)
+    second = {n for n in split[1].funcs if not n.startswith("cuda_e_")}
+    assert second == {n for n in split[1].funcs if compiled_apart(n)}
+    assert second >= {"h2_scan_rd", "h2_end", "ws_wake_prog"}
     assert not any(compiled_apart(n) for n in split[0].funcs)
+    # the entry programs of calls with a return probe in the first, the others in the second
+    returning = {f"cuda_e_{a.api}" for a in load_apis(bpf_source_dir() / "cuda.h") if a.ret}
+    cuda_first = {n for n in split[0].funcs if n.startswith("cuda_e_")}
+    cuda_second = {n for n in split[1].funcs if n.startswith("cuda_e_")}
+    assert cuda_first == returning and cuda_second and not cuda_second & returning
     (one,), _ = compiled._compile_in_children([text], cflags, "k", tmp_path)
     assert compiled.merge(split) == compiled.merge([one])
     assert peak > 100 * 2**20  # two compilers' peaks

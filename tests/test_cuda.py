@@ -145,6 +145,30 @@ def test_runtime_calls_land_on_the_span_once(cuda_agent, stubs, jaeger, name):
     assert span_tags(got)["tracejoin.cuda.sync.wait_ns"] >= SYNC_NS
 
 
+def test_driver_calls_beneath_no_runtime_call_are_counted_at_their_entry(cuda_agent, stubs):
+    """cuMemAlloc_v2, cuMemcpyHtoD_v2, cuMemFree_v2 called directly have no return probe: each
+    entry program hands the call to cuda_count (a tail call), which adds it to the request."""
+    port = cuda_agent.take_port()
+    with py_server("shared", stubs.runtime, port) as proc:
+        work(cuda_agent, port, 1)
+        wait_probed(cuda_agent, proc.pid, "driver")
+        for n in (4096, 54321):
+            tp, trace_id, _ = new_traceparent()
+            head = (
+                f"GET /driver?n={n} HTTP/1.1\r\nHost: t\r\ntraceparent: {tp}\r\n"
+                "Connection: close\r\n\r\n"
+            )
+            assert raw_request(port, head.encode()).endswith(b"driver\n")
+            (span,) = cuda_agent.server_spans(trace_id)
+            a = span.attributes
+            assert a["tracejoin.cuda.memcpy.bytes.host_to_device"] == n, a
+            assert a["tracejoin.cuda.memcpy.count"] == 1
+            assert a["tracejoin.cuda.alloc.bytes"] == n
+            assert a["tracejoin.cuda.alloc.count"] == 1
+            assert a["tracejoin.cuda.free.count"] == 1
+            assert a["tracejoin.cuda.sync.count"] == 0
+
+
 def test_library_opened_after_the_agent_started_is_found(cuda_agent, stubs, tmp_path):
     # a file of its own: a uprobe is per file, and the other tests' copy may be probed already
     lib = tmp_path / "libcudart.so.12"

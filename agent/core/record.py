@@ -255,7 +255,8 @@ KERNEL_COUNTER_HELP: dict[str, str] = {
     "(work outside requests, or a worker that polls: no thread link)",
     "cuda_nested": "Probed CUDA calls made beneath another probed call (a runtime call's "
     "driver call): counted once, by the outer call",
-    "cuda_acc_lost": "CUDA calls not added to a request: its CUDA sums could not be created",
+    "cuda_acc_lost": "CUDA calls not added to a request: its CUDA sums could not be created "
+    "(or, for a call counted at its entry, its counting program was not in place)",
     "otlp_connects": "TCP connections opened on this host to an OTLP port (--otlp-ports): after "
     "one, the inspector reads network namespaces' TCP tables again (instrumented services)",
 }

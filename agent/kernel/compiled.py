@@ -231,9 +231,12 @@ def extract(bpf: Any, key: str) -> Entry:
 
 
 # A program's definition in our C: it begins at column 0 and ends at the first line that
-# begins with "}" (or on its own line). BCC names a probe macro's function as below.
+# begins with "}" (or on its own line). BCC names a probe macro's function as below. A line
+# that is only a macro applied to a macro, `CUDA_APIS(CUDA_AT_ENTRY)`, is a group of programs
+# an X-macro table makes, one line, named by that text.
 _PROGRAM = re.compile(
-    r"^(?:TRACEPOINT_PROBE\((\w+),\s*(\w+)\)|RAW_TRACEPOINT_PROBE\((\w+)\)|int (\w+)\()"
+    r"^(?:TRACEPOINT_PROBE\((\w+),\s*(\w+)\)|RAW_TRACEPOINT_PROBE\((\w+)\)|int (\w+)\(|"
+    r"(\w+\(\w+\))\s*$)"
 )
 
 
@@ -242,21 +245,24 @@ def _program_name(m: re.Match[str]) -> str:
         return f"tracepoint__{m.group(1)}__{m.group(2)}"
     if m.group(3):
         return f"raw_tracepoint__{m.group(3)}"
-    return m.group(4)
+    return m.group(4) or m.group(5)
 
 
 def unit_texts(text: str, apart: Callable[[str], bool]) -> list[str]:
     """`text` as two compile units: one without the programs `apart` names, one with only
     them (and every other declaration, helper and map). Each compiles in a compiler of its
     own, at once on two CPUs (`obtain`); clang compiles a helper only where a program of its
-    unit calls it, so the two share out the optimiser's and code generator's work. A program
-    defined by another macro (CUDA's CUDA_ENTRY) stays in both: merge() keeps one. One unit
-    (the text itself) when `apart` names none."""
+    unit calls it, so the two share out the optimiser's and code generator's work. A group of
+    programs an X-macro makes goes by its line (`CUDA_APIS(CUDA_AT_ENTRY)`); a program made any
+    other way would stay in both, and merge() keeps one. One unit (the text itself) when
+    `apart` names none."""
     units: list[list[str]] = [[], []]
     skipping = [False, False]
     named = False
     for line in text.split("\n"):
         m = _PROGRAM.match(line)
+        if m is not None and line.rstrip().endswith(";"):
+            m = None  # a declaration (a prototype): both units keep it
         is_apart = m is not None and apart(_program_name(m))
         named = named or is_apart
         for unit, out in enumerate(units):
@@ -264,7 +270,7 @@ def unit_texts(text: str, apart: Callable[[str], bool]) -> list[str]:
                 skipping[unit] = not line.startswith("}")
                 continue
             if m is not None and is_apart != (unit == 1):  # this program is the other unit's
-                skipping[unit] = not line.rstrip().endswith("}")
+                skipping[unit] = not (m.group(5) or line.rstrip().endswith("}"))
                 continue
             out.append(line)
     if not named:

@@ -21,6 +21,7 @@ FULL_RESCAN_S all of them.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import re
@@ -248,6 +249,12 @@ class CudaProbes:
         self._next_full = 0.0
 
     def start(self) -> None:
+        # the program that counts a call at its entry, in the slot the entries tail-call,
+        # before any entry is attached (bpf/cuda.h, cuda_count)
+        from bcc import BPF
+
+        fn = self.bpf.load_func(b"cuda_count", BPF.KPROBE)
+        self.bpf[b"cuda_progs"][ctypes.c_int(0)] = ctypes.c_int(fn.fd)
         self.rescan(full=True)
 
     def track(self, pids: Iterable[int]) -> None:

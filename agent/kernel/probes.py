@@ -305,7 +305,11 @@ def run_concurrently(calls: Sequence[Callable[[], T]], workers: int, name: str) 
 # Beside HTTP/2's programs (h2_*), the programs the second of a compiling start's two
 # compilers takes (compiled.unit_texts): with them, each compiler's CPU time is about half of
 # the whole's, plus what each pays to start (python -m bench.compile_units).
-COMPILED_APART = ("ws_wake_prog", "tracepoint__sock__inet_sock_set_state")
+COMPILED_APART = (
+    "ws_wake_prog",
+    "tracepoint__sock__inet_sock_set_state",
+    "CUDA_APIS(CUDA_AT_ENTRY)",  # --cuda: the calls without a return probe (bpf/cuda.h)
+)
 
 
 def compiled_apart(name: str) -> bool:

@@ -11,6 +11,8 @@ MODE
 
 GET /work?n=N: cudaMalloc N bytes, cudaMemcpy them host to device, cudaStreamSynchronize,
 cudaMemcpy back, cudaFree; the body is what the stub's cudaMemcpy recorded ("count kind calls").
+GET /driver?n=N (shared only): the driver alone, beneath no runtime call: cuMemAlloc_v2 N bytes,
+cuMemcpyHtoD_v2 them, cuMemFree_v2 (calls with no return probe: counted at their entry).
 One thread serves every request (stdlib HTTPServer; batch: ThreadingHTTPServer), so each
 request's reader is known.
 Prints "ready" on stdout once listening.
@@ -42,6 +44,16 @@ class Cuda:
     def __init__(self, path: str) -> None:
         self.lib = ctypes.CDLL(path)
         self.last = StubMemcpy.in_dll(self.lib, "stub_last_memcpy")
+        self.driver = ctypes.CDLL("libcuda.so.1")  # loaded already, beneath the runtime
+
+    def driver_work(self, n: int) -> bytes:
+        host = ctypes.create_string_buffer(max(n, 1))
+        dev = ctypes.c_uint64()
+        drv = self.driver
+        assert drv.cuMemAlloc_v2(ctypes.byref(dev), ctypes.c_size_t(n)) == 0
+        assert drv.cuMemcpyHtoD_v2(dev, host, ctypes.c_size_t(n)) == 0
+        assert drv.cuMemFree_v2(dev) == 0
+        return b"driver\n"
 
     def work(self, n: int) -> bytes:
         host = ctypes.create_string_buffer(max(n, 1))
@@ -126,8 +138,11 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         url = urlsplit(self.path)
         body = b"ok\n"
+        n = int(parse_qs(url.query).get("n", ["0"])[0])
         if url.path == "/work":
-            body = work(int(parse_qs(url.query).get("n", ["0"])[0]))
+            body = work(n)
+        elif url.path == "/driver" and _cuda is not None:
+            body = _cuda.driver_work(n)
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
