@@ -124,6 +124,22 @@ def test_a_text_splits_into_the_programs_apart_and_the_rest():
     assert "sched_switch" not in switch[0] and "sched_waking" not in switch[1]
 
 
+def test_a_second_compiler_that_cannot_start_leaves_no_first_one_running(tmp_path, monkeypatch):
+    started = []
+    real = compiled.subprocess.Popen
+
+    def popen(*args, **kwargs):
+        if started:
+            raise OSError(11, "Resource temporarily unavailable")
+        started.append(real(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(compiled.subprocess, "Popen", popen)
+    with pytest.raises(OSError):
+        compiled._compile_in_children(["int a;", "int b;"], [], "k", tmp_path)
+    assert started and started[0].returncode is not None  # killed and reaped
+
+
 def test_units_merge_by_map_name_and_must_agree():
     """A unit's map references are renumbered to the merged map list by name; a program both
     units compiled is kept once; units that disagree on a map or a program are refused."""

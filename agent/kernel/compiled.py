@@ -530,20 +530,27 @@ def _compile_in_children(
     the children's peak resident memory, summed (they run together). The agent reaps each
     child itself (wait4) for its rusage; stderr goes to a file, so a chatty compiler never
     waits on a pipe this process is not yet reading."""
-    children = []
-    for n, unit in enumerate(units):
-        out, err = tmp / f"unit{n}.json", tmp / f"unit{n}.err"
-        with err.open("wb") as err_file:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "tracejoin.kernel.compiled", str(out)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
-                stderr=err_file,
-            )
-        assert proc.stdin is not None
-        with proc.stdin:  # the child reads all of it before it writes anything
-            proc.stdin.write(json.dumps({"text": unit, "cflags": cflags, "key": key}).encode())
-        children.append((proc, out, err))
+    children: list[tuple[subprocess.Popen[bytes], Path, Path]] = []
+    try:
+        for n, unit in enumerate(units):
+            out, err = tmp / f"unit{n}.json", tmp / f"unit{n}.err"
+            with err.open("wb") as err_file:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "tracejoin.kernel.compiled", str(out)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err_file,
+                )
+            children.append((proc, out, err))
+            assert proc.stdin is not None
+            with proc.stdin:  # the child reads all of it before it writes anything
+                job = {"text": unit, "cflags": cflags, "key": key}
+                proc.stdin.write(json.dumps(job).encode())
+    except BaseException:  # no second child (or no stdin for it): leave no compiler behind
+        for proc, _, _ in children:
+            proc.kill()
+            proc.wait()
+        raise
     entries, peak, failed = [], 0, []
     for proc, out, err in children:
         _, status, usage = os.wait4(proc.pid, 0)
