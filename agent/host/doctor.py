@@ -374,7 +374,7 @@ def check_bpf_cache(path: Path) -> Check:
             "bpf cache",
             "Build",
             Status.FALLBACK,
-            f"{problem}: every start compiles in a child process (seconds)",
+            f"{problem}: every start compiles, in child processes (seconds)",
             fix=f"make {path} a directory owned by root, mode 0700 (or mount it writable)",
             data={"path": str(path)},
         )
