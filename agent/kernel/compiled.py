@@ -500,8 +500,7 @@ def memory_headroom(proc_cgroup: str | None = None, fs: Path = _CGROUP_FS) -> in
         elif hid == "0" and controllers == "":
             v2 = path
     if v1 is not None:
-        base, files = fs / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
-        path = v1
+        base, files, path = fs / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes"), v1
     elif v2 is not None:
         base, files, path = fs, ("memory.max", "memory.current"), v2
     else:

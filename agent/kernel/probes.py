@@ -244,7 +244,7 @@ class ProbeConfig:
     # docs/performance.md); False: start() loads them too (capture, tests).
     http2_after_ready: bool = False
     # Keep the compiled programs here, so a later start on this kernel loads them instead of
-    # compiling (agent/kernel/compiled.py); None: compile in a child at every start
+    # compiling (agent/kernel/compiled.py); None: compile in child processes at every start
     bpf_cache_dir: Path | None = None
     # Read the records ring with the compiled consumer (kernel/ring.py) where it was built;
     # False: BCC's reader, one Python callback per record (the fallback; tests and the bench
@@ -262,7 +262,7 @@ class ProbeStatus:
     # in child processes for this start; the entry's path ("" when not kept)
     bpf_source: str = ""
     bpf_cache_path: str = ""
-    compile_seconds: float = 0.0  # obtaining them: the child's compile, or reading the entry
+    compile_seconds: float = 0.0  # obtaining them: the children's compile, or reading the entry
     compile_peak_bytes: int = 0  # the compiling children's peak resident memory, summed
     compile_units: int = 0  # compiling children run at once (1, or 2 on two CPUs; 0: cache)
     code_released_bytes: int = 0  # clang/LLVM's code pages unmapped (release_compiler_code)
