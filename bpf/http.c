@@ -8,23 +8,27 @@
  *   http_workset.h   the work set: the threads that worked for a request (sched_waking)
  *   http_enrich.h    per-thread / per-connection enrichment: sched, faults, TLB, TCP
  *   http_scan.h      what both scanners share: the scan window, header/body framing
- *   http_conn.h      connection lifecycle: syscall buffers, TCP states, socket data, flush
+ *   http_conn.h      connection lifecycle: syscall exits, TCP states, socket data, flush
  *   http_request.h   request scanner (tail call)
  *   http_response.h  response scanner (tail call); emits the record
  *   http2_conn.h     HTTP/2 (h2c) connection state and the hand-off from the HTTP/1.x path
  *   http2_scan.h     HTTP/2 frames and HPACK (tail calls); one record per stream
  * `tracejoin ebpf` prints the unit as compiled: includes inlined, defines applied.
  *
- * Only tracepoints and perf events (no kprobes, no struct dereferences): every value comes from
- * a tracepoint argument whose layout BCC reads from tracefs at load time, so kernel headers that
- * do not match the running kernel cannot skew it.
+ * Only tracepoints and perf events (no kprobes, no kernel struct dereferences): every value
+ * comes from a tracepoint argument whose layout BCC reads from tracefs at load time, so kernel
+ * headers that do not match the running kernel cannot skew it. Two exceptions, each read at
+ * offsets that cannot drift: a syscall's arguments, from the thread's saved user registers
+ * (their layout is the user ABI: syscall_args), and the work set's task_struct fields, at
+ * offsets taken from the running kernel's BTF.
  *
  * Flow per connection (keyed by the socket pointer the sock: tracepoints hand us):
  *   inet_sock_set_state SYN_RECV->ESTABLISHED  create conn state with its 4-tuple
  *   sk_data_ready                               first arrival since the last read
- *   sys_enter_{read,readv,recvfrom,recvmsg}     remember the user buffer (per thread)
- *   sock_recv_length                            the buffer now holds `ret` bytes: scan them
- *   sys_enter_{write,writev,sendto,sendmsg,sendfile64} / sock_send_length: same for responses
+ *   sock_recv_length                            the read's buffer (its syscall's arguments,
+ *                                               syscall_io) now holds `ret` bytes: scan them
+ *   sock_send_length                            same for responses
+ *   sys_exit_{read,...,sendfile64}              run what the scan left for the syscall's end
  *   inet_sock_set_state (we close) / tcp_destroy_sock: flush what is still open
  * Scanning runs in tail-called programs (scan_req, scan_resp) of SCAN_CHUNK steps each, taken
  * LOOP_STEPS at a time by a bpf_loop callback (scan_req_steps, scan_resp_steps): the verifier
@@ -49,6 +53,7 @@
  *   WAKE_EVERY                             records per CPU between forced reader wake-ups (a
  *                                          power of two: NCPU x WAKE_EVERY <= half the ring)
  *   NCPU                                   possible CPUs
+ *   ARCH_X86_64, ARCH_ARM64                whose syscall ABI syscall_args reads
  * and by agent/kernel/compiled.py (loop_callback_defines):
  *   LOOP_CB_MARK, LOOP_CB_<function>       the markers by which a bpf_loop call names its callback
  */
@@ -170,17 +175,15 @@ struct req_key {
     u64 seq;
 };
 
-/* What a syscall moves, remembered at its entry for the socket tracepoint inside it. */
+/* What the thread's read or write moves, read from its syscall's arguments (syscall_io). */
 #define IO_NONE 0               /* no user buffer (sendfile): bytes counted, not scanned */
 #define IO_BUF 1                /* one buffer */
 #define IO_IOV 2                /* an iovec array (readv, writev, recvmsg, sendmsg) */
-struct pending_io {
+struct syscall_io {
     u64 ptr;                    /* IO_BUF: the buffer; IO_IOV: the iovec array */
     u64 len;                    /* IO_BUF: its length; IO_IOV: the number of iovecs */
     u32 fd;
     u32 kind;                   /* IO_* */
-    u32 live;                   /* set at the syscall's entry, cleared at its exit or use */
-    u32 _pad;
 };
 
 /* One read or write being scanned: a window of SCRATCH_SIZE bytes of it at a time. */
@@ -204,7 +207,7 @@ struct scratch {
     u64 sk;
     u64 now;
     u64 arrival;                /* first arrival of this read's data (requests); 0 unknown */
-    u64 ptr, len;               /* pending_io.ptr/len */
+    u64 ptr, len;               /* syscall_io.ptr/len */
     u64 iov_start;              /* data offset of iovec iov_idx's first byte */
     u32 iov_idx;
     u32 kind;                   /* IO_* */
@@ -276,12 +279,6 @@ BPF_PERCPU_ARRAY(conn_seq, u64, 1);
 BPF_PERCPU_ARRAY(conn_new, struct conn, 1);     /* a connection's state being made, then copied */
 BPF_TABLE("lru_hash", u64, struct conn, conns, LRU_ENTRIES);
 BPF_TABLE("lru_hash", struct req_key, struct http_record, reqs, LRU_ENTRIES);
-/* Per-thread syscall state in task storage, not a hash keyed by thread id: every read and write
- * on the host passes here before the socket is known, and a task-storage get plus a flag store
- * costs ~300 ns less than an LRU update plus delete (bench/syscall_probe_cost.py). It is freed
- * with the task, so nothing needs evicting. */
-BPF_TASK_STORAGE(pending_rd, struct pending_io);
-BPF_TASK_STORAGE(pending_wr, struct pending_io);
 BPF_TABLE("lru_hash", u32, struct tstat, threads, LRU_ENTRIES);
 BPF_PERCPU_ARRAY(zero_thread, struct tstat, 1);         /* never written: a zeroed template */
 BPF_PROG_ARRAY(progs, PROG_COUNT);
@@ -302,22 +299,6 @@ BPF_PERF_ARRAY(itlb, NCPU);
 
 #define DIR_RD 0
 #define DIR_WR 1
-
-/* The calling thread's entry for `dir`; created when asked to. */
-static __always_inline struct pending_io *pending_slot(int dir, u64 create)
-{
-    struct task_struct *t = (struct task_struct *)bpf_get_current_task_btf();
-    if (dir == DIR_WR)
-        return pending_wr.task_storage_get(t, 0, create);
-    return pending_rd.task_storage_get(t, 0, create);
-}
-
-/* The calling thread's syscall in progress in direction `dir`, or 0. */
-static __always_inline struct pending_io *pending_get(int dir)
-{
-    struct pending_io *p = pending_slot(dir, 0);
-    return p && p->live ? p : 0;
-}
 
 static __always_inline void count(u32 idx)
 {
@@ -363,6 +344,146 @@ static __always_inline int task_allowed(u32 pid)
         return 0;
 #endif
     return comm_allowed();
+}
+
+/* ---------------------------------------------------------------- the syscall in progress */
+
+/* Which read or write the current thread is in, and its buffer, come from the syscall's own
+ * arguments in the thread's saved user registers (bpf_task_pt_regs), read only when a socket
+ * event needs them. Nothing is attached to the syscalls' entries: every read and write on the
+ * host, socket or not, would pay for a program there (bench/run.py's unrelated process).
+ * The registers' layout is the user ABI (x86_64: ptrace's user_regs_struct; arm64: its
+ * user_pt_regs, then orig_x0 and syscallno) and the numbers are the syscall ABI: neither moves
+ * with the kernel. tests/test_probes.py checks the offsets against the running kernel's BTF. */
+struct sc_args {
+    u64 nr, fd, ptr, len;       /* the syscall number and its first three arguments */
+};
+
+#if !defined(ARCH_X86_64) && !defined(ARCH_ARM64)
+#error "tracejoin reads syscall arguments from the saved user registers of x86_64 and arm64 only"
+#endif
+#ifdef ARCH_X86_64
+#define NR_READ 0
+#define NR_WRITE 1
+#define NR_READV 19
+#define NR_WRITEV 20
+#define NR_SENDFILE 40
+#define NR_SENDTO 44
+#define NR_RECVFROM 45
+#define NR_SENDMSG 46
+#define NR_RECVMSG 47
+#define PT_REGS_DX_AT 96        /* struct pt_regs: dx, si, di, orig_ax, ip, cs from here */
+#endif
+#ifdef ARCH_ARM64
+#define NR_READ 63
+#define NR_WRITE 64
+#define NR_READV 65
+#define NR_WRITEV 66
+#define NR_SENDFILE 71
+#define NR_SENDTO 206
+#define NR_RECVFROM 207
+#define NR_SENDMSG 211
+#define NR_RECVMSG 212
+#define PT_REGS_X1_AT 8         /* struct pt_regs: regs[1], regs[2] */
+#define PT_REGS_PSTATE_AT 264   /* struct pt_regs: pstate, orig_x0, syscallno */
+#endif
+
+/* The current thread's syscall and arguments, as it made them from user space: 0 for a
+ * kernel or io_uring worker thread (their registers are zeroed) and for a 32-bit syscall,
+ * whose numbers differ. */
+static __always_inline int syscall_args(struct sc_args *a)
+{
+    u64 regs = (u64)bpf_task_pt_regs((struct task_struct *)bpf_get_current_task_btf());
+#ifdef ARCH_X86_64
+    struct {
+        u64 dx, si, di, orig_ax, ip, cs;
+    } r;
+    if (bpf_probe_read_kernel(&r, sizeof(r), (void *)(regs + PT_REGS_DX_AT)) != 0)
+        return 0;
+    a->nr = r.orig_ax;
+    a->fd = r.di;
+    a->ptr = r.si;
+    a->len = r.dx;
+    return r.cs == 0x33;        /* __USER_CS: 64-bit user mode (0x23 is 32-bit, 0 a worker) */
+#endif
+#ifdef ARCH_ARM64
+    u64 x[2];
+    struct {
+        u64 pstate, orig_x0;
+        s32 syscallno;
+        u32 _pad;
+    } r;
+    if (bpf_probe_read_kernel(&x, sizeof(x), (void *)(regs + PT_REGS_X1_AT)) != 0 ||
+        bpf_probe_read_kernel(&r, sizeof(r), (void *)(regs + PT_REGS_PSTATE_AT)) != 0)
+        return 0;
+    a->nr = (u64)r.syscallno;
+    a->fd = r.orig_x0;          /* regs[0] becomes the return value */
+    a->ptr = x[0];
+    a->len = x[1];
+    return (r.pstate & 0x1f) == 0;      /* EL0t in AArch64 state (PSR_MODE32_BIT clear) */
+#endif
+}
+
+/* DIR_RD or DIR_WR for the syscalls whose buffers the scanners read; -1 for any other (an
+ * io_uring submission, recvmmsg, splice: their bytes are not scanned). */
+static __always_inline int syscall_dir(u64 nr)
+{
+    switch (nr) {
+    case NR_READ:
+    case NR_RECVFROM:
+    case NR_READV:
+    case NR_RECVMSG:
+        return DIR_RD;
+    case NR_WRITE:
+    case NR_SENDTO:
+    case NR_WRITEV:
+    case NR_SENDMSG:
+    case NR_SENDFILE:
+        return DIR_WR;
+    }
+    return -1;
+}
+
+/* The head of the message header recvmsg/sendmsg take from user space (the kernel's struct
+ * user_msghdr, in linux/socket.h: the ABI's struct msghdr), as far as its iovec array. */
+struct msghdr_head {
+    void *msg_name;
+    int msg_namelen;
+    struct iovec *msg_iov;
+    __kernel_size_t msg_iovlen;
+};
+
+/* The read or write the current thread is in: its direction, with what it moves in *io; -1
+ * when it is in none the scanners read, or the pid/comm filters leave the thread out. */
+static __always_inline int syscall_io(struct syscall_io *io)
+{
+    struct sc_args a = {};
+    if (!syscall_args(&a))
+        return -1;
+    int dir = syscall_dir(a.nr);
+    if (dir < 0 || !task_allowed(bpf_get_current_pid_tgid() >> 32))
+        return -1;
+    io->fd = a.fd;
+    io->ptr = a.ptr;
+    io->len = a.len;
+    io->kind = IO_BUF;
+    if (a.nr == NR_READV || a.nr == NR_WRITEV) {
+        io->kind = IO_IOV;
+    } else if (a.nr == NR_RECVMSG || a.nr == NR_SENDMSG) {
+        struct msghdr_head m = {};
+        if (bpf_probe_read_user(&m, sizeof(m), (void *)a.ptr) != 0)
+            goto no_buffer;
+        io->kind = IO_IOV;
+        io->ptr = (u64)m.msg_iov;
+        io->len = m.msg_iovlen;
+    } else if (a.nr == NR_SENDFILE) {
+        goto no_buffer;         /* the body never passes through user memory */
+    }
+    return dir;
+no_buffer:                      /* bytes counted, not scanned */
+    io->kind = IO_NONE;
+    io->ptr = io->len = 0;
+    return dir;
 }
 
 #include "http_workset.h"

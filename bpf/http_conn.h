@@ -1,62 +1,15 @@
-/* Connection lifecycle: syscall buffers, connection state from the TCP state machine, the
+/* Connection lifecycle: syscall exits, connection state from the TCP state machine, the
  * socket-data tracepoints that hand each read/write to a scanner, and the flush on close.
  * Part of the bpf/http.c compile unit.
  */
 
-/* ---------------------------------------------------------------- syscall entry: buffers */
+/* ---------------------------------------------------------------- syscall exit */
 
-static __always_inline int remember(int dir, u32 fd, u64 ptr, u64 len, u32 kind)
+/* The exit of every read and write the scanners read (syscall_dir): finish what the socket
+ * event in it left for later. Nothing else: any thread's read or write passes here, socket or
+ * not, and pays one per-CPU array read. */
+static __always_inline int syscall_exit(void *ctx)
 {
-    u64 id = bpf_get_current_pid_tgid();
-    if (!task_allowed(id >> 32))
-        return 0;
-    struct pending_io *p = pending_slot(dir, BPF_LOCAL_STORAGE_GET_F_CREATE);
-    if (p) {
-        p->ptr = ptr;
-        p->len = len;
-        p->fd = fd;
-        p->kind = kind;
-        p->live = 1;
-    }
-    return 0;
-}
-
-/* The head of the message header recvmsg/sendmsg take from user space (the kernel's struct
- * user_msghdr, in linux/socket.h: the ABI's struct msghdr), as far as its iovec array. */
-struct msghdr_head {
-    void *msg_name;
-    int msg_namelen;
-    struct iovec *msg_iov;
-    __kernel_size_t msg_iovlen;
-};
-
-/* recvmsg/sendmsg: the iovec array the message header points to. */
-static __always_inline int remember_msg(int dir, u32 fd, const void *msg)
-{
-    struct msghdr_head m = {};
-    if (bpf_probe_read_user(&m, sizeof(m), msg) != 0)
-        return remember(dir, fd, 0, 0, IO_NONE);
-    return remember(dir, fd, (u64)m.msg_iov, m.msg_iovlen, IO_IOV);
-}
-
-TRACEPOINT_PROBE(syscalls, sys_enter_read) { return remember(DIR_RD, args->fd, (u64)args->buf, args->count, IO_BUF); }
-TRACEPOINT_PROBE(syscalls, sys_enter_recvfrom) { return remember(DIR_RD, args->fd, (u64)args->ubuf, args->size, IO_BUF); }
-TRACEPOINT_PROBE(syscalls, sys_enter_readv) { return remember(DIR_RD, args->fd, (u64)args->vec, args->vlen, IO_IOV); }
-TRACEPOINT_PROBE(syscalls, sys_enter_recvmsg) { return remember_msg(DIR_RD, args->fd, args->msg); }
-TRACEPOINT_PROBE(syscalls, sys_enter_write) { return remember(DIR_WR, args->fd, (u64)args->buf, args->count, IO_BUF); }
-TRACEPOINT_PROBE(syscalls, sys_enter_sendto) { return remember(DIR_WR, args->fd, (u64)args->buff, args->len, IO_BUF); }
-TRACEPOINT_PROBE(syscalls, sys_enter_writev) { return remember(DIR_WR, args->fd, (u64)args->vec, args->vlen, IO_IOV); }
-TRACEPOINT_PROBE(syscalls, sys_enter_sendmsg) { return remember_msg(DIR_WR, args->fd, args->msg); }
-/* sendfile: the body never passes through user memory; its bytes are counted, not scanned. */
-TRACEPOINT_PROBE(syscalls, sys_enter_sendfile64) { return remember(DIR_WR, args->out_fd, 0, 0, IO_NONE); }
-
-/* An entry must not outlive its syscall: a later socket event in this thread (io_uring, say)
- * would otherwise read a stale buffer. */
-static __always_inline int forget(void *ctx, int dir)
-{
-    struct pending_io *p = pending_slot(dir, 0);
-    if (p)
-        p->live = 0;
     int z = 0;
     struct scratch *s = scratch_map.lookup(&z);
     if (!s)
@@ -70,20 +23,19 @@ static __always_inline int forget(void *ctx, int dir)
         s->chain = 0;
         progs.call(ctx, more - 1);
     }
-    if (s->nnotes)              /* requests this syscall opened or ended (http_enrich.h): the
-                                 * one check every probed syscall exit makes */
+    if (s->nnotes)              /* requests this syscall opened or ended (http_enrich.h) */
         progs.call(ctx, PROG_RUN_NOTES);
     return 0;
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_read) { return forget(args, DIR_RD); }
-TRACEPOINT_PROBE(syscalls, sys_exit_recvfrom) { return forget(args, DIR_RD); }
-TRACEPOINT_PROBE(syscalls, sys_exit_readv) { return forget(args, DIR_RD); }
-TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) { return forget(args, DIR_RD); }
-TRACEPOINT_PROBE(syscalls, sys_exit_write) { return forget(args, DIR_WR); }
-TRACEPOINT_PROBE(syscalls, sys_exit_sendto) { return forget(args, DIR_WR); }
-TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return forget(args, DIR_WR); }
-TRACEPOINT_PROBE(syscalls, sys_exit_sendmsg) { return forget(args, DIR_WR); }
-TRACEPOINT_PROBE(syscalls, sys_exit_sendfile64) { return forget(args, DIR_WR); }
+TRACEPOINT_PROBE(syscalls, sys_exit_read) { return syscall_exit(args); }
+TRACEPOINT_PROBE(syscalls, sys_exit_recvfrom) { return syscall_exit(args); }
+TRACEPOINT_PROBE(syscalls, sys_exit_readv) { return syscall_exit(args); }
+TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) { return syscall_exit(args); }
+TRACEPOINT_PROBE(syscalls, sys_exit_write) { return syscall_exit(args); }
+TRACEPOINT_PROBE(syscalls, sys_exit_sendto) { return syscall_exit(args); }
+TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return syscall_exit(args); }
+TRACEPOINT_PROBE(syscalls, sys_exit_sendmsg) { return syscall_exit(args); }
+TRACEPOINT_PROBE(syscalls, sys_exit_sendfile64) { return syscall_exit(args); }
 
 /* ---------------------------------------------------------------- connections */
 
@@ -403,8 +355,8 @@ TRACEPOINT_PROBE(tcp, tcp_destroy_sock)
 #ifdef WITH_TUPLE_AT_READ
 /* Fires inside every TCP read that copied data, before sock_recv_length, with the socket and
  * its 4-tuple: a connection older than the agent, or evicted from `conns`, gets its tuple (and
- * the port filter) here rather than from /proc. Only threads that passed the pid/comm filters
- * at syscall entry (a pending read) create state. */
+ * the port filter) here rather than from /proc. Only a read the scanners would read, by a
+ * thread the pid/comm filters let through, creates state. */
 TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
 {
     u64 sk = (u64)args->skaddr;
@@ -412,7 +364,8 @@ TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
     if (c && (c->flags & CONN_TUPLE))
         return 0;
     if (!c) {
-        if (!pending_get(DIR_RD))
+        struct syscall_io io;
+        if (syscall_io(&io) != DIR_RD)
             return 0;
         struct conn fresh = {};
         fresh.conn_id = new_conn_id();
@@ -444,7 +397,7 @@ TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
 
 /* ---------------------------------------------------------------- socket data */
 
-static __always_inline struct scratch *load_scratch(u64 sk, struct pending_io *p, int ret)
+static __always_inline struct scratch *load_scratch(u64 sk, struct syscall_io *p, int ret)
 {
     int z = 0;
     struct scratch *s = scratch_map.lookup(&z);
@@ -477,8 +430,8 @@ TRACEPOINT_PROBE(sock, sock_recv_length)
 {
     if (args->ret <= 0 || !is_tcp(args->family, args->protocol) || (args->flags & MSG_PEEK_))
         return 0;
-    struct pending_io *p = pending_get(DIR_RD);
-    if (!p)
+    struct syscall_io io;
+    if (syscall_io(&io) != DIR_RD)
         return 0;
     u64 sk = (u64)args->sk;
     struct conn *c = conns.lookup(&sk);
@@ -500,13 +453,12 @@ TRACEPOINT_PROBE(sock, sock_recv_length)
     }
     if (c->flags & (CONN_IGNORED | CONN_UNTRUSTED))
         return 0;
-    struct scratch *s = load_scratch(sk, p, args->ret);
+    struct scratch *s = load_scratch(sk, &io, args->ret);
     if (!s)
         return 0;
     /* this read takes the arrival; data arriving from now on is the next read's */
     s->arrival = c->arrival_ns <= s->now ? c->arrival_ns : 0;
     c->arrival_ns = 0;
-    p->live = 0;
     progs.call(args, (c->flags & CONN_H2) ? PROG_H2_RD : PROG_SCAN_REQ);
     if (c->flags & CONN_H2)
         h2_not_loaded(c);
@@ -529,11 +481,10 @@ TRACEPOINT_PROBE(sock, sock_send_length)
             untrust(c, CNT_UNTRUSTED_RESPONSE_WITHOUT_REQUEST);
         return 0;
     }
-    struct pending_io *p = pending_get(DIR_WR);
-    struct pending_io none = {};
-    if (!p)
-        p = &none;
-    struct scratch *s = load_scratch(sk, p, args->ret);
+    struct syscall_io io = {}, none = {};
+    if (syscall_io(&io) != DIR_WR)
+        io = none;              /* not a write the scanners read (sendmmsg, splice): counted */
+    struct scratch *s = load_scratch(sk, &io, args->ret);
     if (!s)
         return 0;
     c->last_write_ns = s->now;
@@ -541,9 +492,6 @@ TRACEPOINT_PROBE(sock, sock_send_length)
     if (!h2)
         ws_checkpoint(sk, c, s->now);   /* if this write ends the response, its record says so */
 #endif
-    /* sendfile calls sock_sendmsg once per chunk: only the first event may use a buffer */
-    if (p->kind != IO_NONE)
-        p->live = 0;
     progs.call(args, h2 ? PROG_H2_WR : PROG_SCAN_RESP);
     if (h2)
         h2_not_loaded(c);

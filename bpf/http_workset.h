@@ -642,12 +642,10 @@ static __always_inline int ws_may_join(struct tstat *t, u64 id, u32 flags, u32 w
     u32 zero = 0, *agent = agent_tgid.lookup(&zero);
     if ((flags & PF_KTHREAD_) || (agent && wakee_pid == *agent))
         return 0;
-    struct pending_io *io = pending_get(DIR_WR);
-    if (!io)
-        io = pending_get(DIR_RD);
-    if (!io)
+    struct sc_args a = {};
+    if (!syscall_args(&a) || syscall_dir(a.nr) < 0)
         return 1;
-    u32 fd = io->fd, pid = id >> 32;
+    u32 fd = a.fd, pid = id >> 32;
 #pragma unroll
     for (int r = 0; r < WS_REFS; r++) {
         struct ws_key k = {.conn_id = t->refs[r].conn_id, .seq = t->refs[r].seq};

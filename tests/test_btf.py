@@ -4,6 +4,7 @@ the planner turns off (saying why) without them."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import struct
@@ -90,6 +91,35 @@ def test_running_kernel_task_struct_matches_bpftool() -> None:
     for member, off in ours.items():
         m = re.search(rf"'{member}' type_id=\d+ bits_offset=(\d+)", body)
         assert m is not None and int(m.group(1)) == off * 8, member
+
+
+def test_syscall_register_offsets_are_the_running_kernels() -> None:
+    """bpf/http.c reads a socket event's syscall number and arguments from the thread's saved
+    registers at fixed offsets (the user ABI's layout): they are struct pt_regs' own here."""
+    if not VMLINUX_BTF.exists():
+        pytest.skip(f"{VMLINUX_BTF} is missing: this kernel has no BTF")
+    text = (probes.bpf_source_dir() / "http.c").read_text()
+
+    def at(name: str) -> int:
+        m = re.search(rf"#define {name} (\d+)", text)
+        assert m is not None, name
+        return int(m.group(1))
+
+    machine = os.uname().machine
+    if machine == "x86_64":
+        names = ("dx", "si", "di", "orig_ax", "ip", "cs")  # the order syscall_args reads them
+        ours = member_offsets("pt_regs", names)
+        assert [ours[n] for n in names] == [at("PT_REGS_DX_AT") + 8 * i for i in range(6)]
+    elif machine == "aarch64":
+        ours = member_offsets("pt_regs", ("regs", "pstate", "orig_x0", "syscallno"))
+        assert ours["regs"] + 8 == at("PT_REGS_X1_AT")
+        assert (ours["pstate"], ours["orig_x0"], ours["syscallno"]) == (
+            at("PT_REGS_PSTATE_AT"),
+            at("PT_REGS_PSTATE_AT") + 8,
+            at("PT_REGS_PSTATE_AT") + 16,
+        )
+    else:
+        pytest.skip(f"bpf/http.c reads no syscall registers on {machine}")
 
 
 def _plan(cfg: ProbeConfig) -> tuple[dict[str, int | None], dict[str, str]]:

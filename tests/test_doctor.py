@@ -254,6 +254,8 @@ def _fake_host(root: Path, headers_for: str = "6.1.0-57-amd64") -> Path:
         d.mkdir(parents=True)
         (d / "format").write_text("name: x\n")
     (root / "sys/bus/event_source/devices/uprobe").mkdir(parents=True)
+    (root / "sys/kernel/btf").mkdir(parents=True)
+    (root / "sys/kernel/btf/vmlinux").write_bytes(bytes(4096))
     hdr = root / f"usr/src/linux-headers-{headers_for}"
     (hdr / "include/generated").mkdir(parents=True)
     (hdr / "include/generated/utsrelease.h").write_text(f'#define UTS_RELEASE "{headers_for}"\n')
@@ -285,6 +287,16 @@ def test_fake_host_ready_with_fallbacks(tmp_path: Path) -> None:
     assert signal(report, "GPU (NVML)").status is Status.UNAVAILABLE
     hdr = check(report, "kernel headers")
     assert hdr.data["match"] is False and hdr.data["version"] == "6.1.0-57-amd64"
+
+
+def test_fake_host_without_btf_is_not_ready(tmp_path: Path) -> None:
+    """The probes call bpf_get_current_task_btf and bpf_task_pt_regs: no load without BTF."""
+    root = _fake_host(tmp_path)
+    (root / "sys/kernel/btf/vmlinux").unlink()
+    report = run_checks(_opts(root))
+    c = check(report, "btf")
+    assert c.status is Status.UNAVAILABLE and c in report.blocking, report.format_text()
+    assert "bpf_task_pt_regs" in c.detail and report.exit_code != 0
 
 
 def test_fake_host_missing_required_tracepoint(tmp_path: Path) -> None:
@@ -372,12 +384,11 @@ def test_fake_host_work_set_needs_btf(tmp_path: Path) -> None:
 
     workset = next(s.what for s in OPTIONAL_SIGNALS if s.name == "workset")
     root = _fake_host(tmp_path)
+    assert signal(run_checks(_opts(root)), workset).status is Status.AVAILABLE
+    (root / "sys/kernel/btf/vmlinux").unlink()
     without = signal(run_checks(_opts(root)), workset)
     assert without.status is Status.UNAVAILABLE
     assert "CONFIG_DEBUG_INFO_BTF" in (without.fix or "")
-    (root / "sys/kernel/btf").mkdir(parents=True)
-    (root / "sys/kernel/btf/vmlinux").write_bytes(b"\x9f\xeb")
-    assert signal(run_checks(_opts(root)), workset).status is Status.AVAILABLE
 
 
 @pytest.mark.privileged

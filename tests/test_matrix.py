@@ -4,9 +4,10 @@ Unit: the matrix's verdict, table, result parsing and docs section; doctor's BPF
 over fake probe results. Privileged, on this host: the helper probes say yes where a real BCC
 program using the feature loads, and no for a helper id no kernel has. The matrix regression
 (`matrix` marker, TRACEJOIN_MATRIX=1; `.ci/run` runs it): boot the oldest and newest guest
-kernels and show the matrix catching a real difference between them: task storage, which the
-per-syscall state may move to, is refused by 5.10 (a real BCC load fails there and doctor said
-so) and loads on 6.18; and 5.10 lacks the sock tracepoints, so the agent refuses it cleanly.
+kernels and show the matrix catching a real difference between them: bpf_task_pt_regs, with
+which a socket event reads its syscall's buffer, is refused by 5.10 (a real BCC load fails there
+and doctor said so) and loads on 6.18; and 5.10 lacks the sock tracepoints, so the agent
+refuses it cleanly.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def test_table_has_a_row_per_kernel_with_signals_and_features() -> None:
         [("doctor", True)],
         loads={"ok": True, "programs": 40, "seconds": 300.0},
         signals={"recvq": "on", "tlb": "flush_fallback", "workset": "off: needs the sched signal"},
-        features={"task_storage": "unavailable: verifier: invalid func unknown#156"},
+        features={"task_pt_regs": "unavailable: verifier: invalid func unknown#175"},
     )
     text = run.table([r])
     head, _, row = text.splitlines()
@@ -118,7 +119,7 @@ def test_table_has_a_row_per_kernel_with_signals_and_features() -> None:
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[0] == "9.9.0-1-cloud-amd64" and cells[3] == "yes, 40 programs in 300 s"
     assert "flush_fallback" in cells and "off: needs the sched signal" in cells
-    assert "unavailable: verifier: invalid func unknown#156" in cells
+    assert "unavailable: verifier: invalid func unknown#175" in cells
 
 
 def test_write_docs_replaces_only_the_generated_section(tmp_path: Path) -> None:
@@ -153,15 +154,15 @@ def _feature(name: str) -> Any:
 
 
 def test_doctor_reports_a_missing_helper_with_the_kernel_that_has_it() -> None:
-    fake = [FeatureResult(f, True, "ok") for f in FEATURES if f.name != "task_storage"]
+    fake = [FeatureResult(f, True, "ok") for f in FEATURES if f.name != "task_pt_regs"]
     fake.append(
-        FeatureResult(_feature("task_storage"), False, "verifier: invalid func unknown#156")
+        FeatureResult(_feature("task_pt_regs"), False, "verifier: invalid func unknown#175")
     )
     report = _doctor(fake)
-    (c,) = [c for c in report.checks if c.name == "bpf task_storage"]
-    assert c in report.blocking  # pending_rd/pending_wr live there
-    assert c.status is Status.UNAVAILABLE and c.required and c.fix == "kernel >= 5.11"
-    assert "invalid func unknown#156" in c.detail
+    (c,) = [c for c in report.checks if c.name == "bpf task_pt_regs"]
+    assert c in report.blocking  # every socket event reads its syscall's buffer with it
+    assert c.status is Status.UNAVAILABLE and c.required and c.fix == "kernel >= 5.15"
+    assert "invalid func unknown#175" in c.detail
 
 
 def test_doctor_blocks_without_the_ring_buffer_but_not_when_it_cannot_tell() -> None:
@@ -195,15 +196,15 @@ def test_feature_probes_agree_with_real_loads_here(privileged: None) -> None:
 
     found = {r.feature.name: r for r in probe_features()}
     assert found["ringbuf"].available is True
-    # a real program using task storage loads here exactly when the probe says so
+    # a real program calling bpf_task_pt_regs loads here exactly when the probe says so
     smoke = (HERE / "matrix" / "smoke.py").read_text()
-    program = smoke.split('TASK_STORAGE_PROGRAM = r"""')[1].split('"""')[0]
+    program = smoke.split('TASK_PT_REGS_PROGRAM = r"""')[1].split('"""')[0]
     try:
         BPF(text=program.encode()).cleanup()
         loaded = True
     except Exception:
         loaded = False
-    assert found["task_storage"].available is loaded
+    assert found["task_pt_regs"].available is loaded
     # and the probe can say no: a helper id past every kernel's last
     ok, detail = probe_helper(10_000)
     assert ok is False and "invalid func" in detail
@@ -228,10 +229,10 @@ def test_matrix_catches_what_5_10_lacks(tmp_path: Path) -> None:
     # 5.10: refused with the reason, before anything loads
     assert old["supported"] is False and "sock:sock_recv_length" in old["doctor_summary"]
     assert old["loads"]["ok"] is False and "6.3" in old["loads"]["detail"]
-    # task storage: the helper probe and a real BCC load agree, and differ between the kernels
-    assert old["features"]["task_storage"].startswith("unavailable")
-    assert old["task_storage_trial"].startswith("failed")
-    assert new["features"]["task_storage"] == "available" and new["task_storage_trial"] == "loaded"
+    # bpf_task_pt_regs: the helper probe and a real BCC load agree, and differ between kernels
+    assert old["features"]["task_pt_regs"].startswith("unavailable")
+    assert old["task_pt_regs_trial"].startswith("failed")
+    assert new["features"]["task_pt_regs"] == "available" and new["task_pt_regs_trial"] == "loaded"
     # 6.18: every smoke check passed, the TLB signal labelled (no PMU under emulation)
     assert new["supported"] is True and new["signals"]["tlb"] == "flush_fallback"
     assert {c["name"] for c in new["checks"] if c["ok"]} >= {

@@ -81,9 +81,10 @@ def test_tlb_hardware_requires_the_sched_signal(require_root, monkeypatch):
 def test_tlb_hardware_without_sched_does_not_compile(tmp_path):
     """The same rule in the C: TLB_HW without WITH_SCHED is a compile error, not a silent 0."""
     src = probes.bpf_source_dir()
-    alone = probes.render_source(src, "http.c", {"NCPU": 2, "TLB_HW": None})
+    base = {"NCPU": 2, "ARCH_X86_64": None, "TLB_HW": None}
+    alone = probes.render_source(src, "http.c", base)
     assert "#error" in alone
-    both = probes.render_source(src, "http.c", {"NCPU": 2, "TLB_HW": None, "WITH_SCHED": None})
+    both = probes.render_source(src, "http.c", {**base, "WITH_SCHED": None})
     assert "#error" not in both
 
 

@@ -649,7 +649,6 @@ def check_tracefs(root: Path) -> tuple[Path | None, Check]:
 
 def check_btf(root: Path) -> Check:
     path = root / "sys/kernel/btf/vmlinux"
-    why = "the work set (threads and processes a request wakes) is off without it"
     if path.is_file():
         size = path.stat().st_size
         return Check(
@@ -659,8 +658,11 @@ def check_btf(root: Path) -> Check:
         "btf",
         "Kernel",
         Status.UNAVAILABLE,
-        f"no /sys/kernel/btf/vmlinux; {why}",
-        fix="a kernel built with CONFIG_DEBUG_INFO_BTF=y (the work set reads task_struct offsets)",
+        "no /sys/kernel/btf/vmlinux; the probes cannot load without it: they read the current "
+        "task's saved registers (bpf_get_current_task_btf, bpf_task_pt_regs), and the work set "
+        "reads task_struct offsets from it",
+        required=True,
+        fix="a kernel built with CONFIG_DEBUG_INFO_BTF=y",
     )
 
 

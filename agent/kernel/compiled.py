@@ -12,8 +12,8 @@ compiler and the runtime:
   and BCC's key/leaf type descriptions.
 - `cached_bpf(entry)` is a `bcc.BPF` made from such an entry: it creates the maps and loads a
   program when it is first asked for, with the same two bpf(2) calls BCC makes
-  (BPF_MAP_CREATE, BPF_PROG_LOAD) and a BTF of our own (`ModuleBtf`: what task storage maps
-  require, and each program's full name). Every program is asked for through BCC's own
+  (BPF_MAP_CREATE, BPF_PROG_LOAD) and a BTF of our own (`ModuleBtf`: what local storage
+  maps require, and each program's full name). Every program is asked for through BCC's own
   `load_func` path (autoloaded tracepoints at `autoload()`, tail calls, perf events and CUDA
   uprobes through BCC's attach methods); tables, the ring buffer, attach, detach and cleanup
   are BCC's code.

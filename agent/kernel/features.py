@@ -21,7 +21,7 @@ BPF_MAP_CREATE = 0
 BPF_PROG_LOAD = 5
 BPF_MAP_TYPE_RINGBUF = 27  # 5.8
 BPF_PROG_TYPE_TRACEPOINT = 5
-BPF_FUNC_TASK_STORAGE_GET = 156  # 5.11 (tracing programs)
+BPF_FUNC_TASK_PT_REGS = 175  # 5.15
 BPF_FUNC_LOOP = 181  # 5.17
 
 _SYS_BPF = {"x86_64": 321, "aarch64": 280}
@@ -40,10 +40,10 @@ class Feature:
 FEATURES: tuple[Feature, ...] = (
     Feature("ringbuf", "BPF ring buffer (map type)", "5.8", "every record", required=True),
     Feature(
-        "task_storage",
-        "task storage (bpf_task_storage_get) in tracepoint programs",
-        "5.11",
-        "each thread's read/write in progress (pending_rd, pending_wr)",
+        "task_pt_regs",
+        "a task's saved user registers (bpf_task_pt_regs)",
+        "5.15",
+        "each socket read/write's buffer, from its syscall's arguments (syscall_args)",
         required=True,
     ),
     Feature(
@@ -135,8 +135,8 @@ def probe_features() -> list[FeatureResult]:
             ok, detail = probe_map(
                 BPF_MAP_TYPE_RINGBUF, 0, 0, max(os.sysconf("SC_PAGE_SIZE"), 4096)
             )
-        elif f.name == "task_storage":
-            ok, detail = probe_helper(BPF_FUNC_TASK_STORAGE_GET)
+        elif f.name == "task_pt_regs":
+            ok, detail = probe_helper(BPF_FUNC_TASK_PT_REGS)
         else:
             ok, detail = probe_helper(BPF_FUNC_LOOP)
         out.append(FeatureResult(f, ok, detail))

@@ -12,6 +12,7 @@ import ctypes
 import errno
 import logging
 import os
+import platform
 import re
 import threading
 import time
@@ -59,8 +60,10 @@ TRACEFS_CANDIDATES = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 
 # Tracepoints the HTTP pipeline cannot run without.
 REQUIRED_TRACEPOINTS: tuple[str, ...] = (
+    # Only the exits: a socket event reads its syscall's arguments from the thread's saved
+    # registers (syscall_args in bpf/http.c), so no program runs at any syscall's entry.
     *(
-        f"syscalls:sys_{d}_{c}"
+        f"syscalls:sys_exit_{c}"
         for c in (
             "read",
             "readv",
@@ -72,7 +75,6 @@ REQUIRED_TRACEPOINTS: tuple[str, ...] = (
             "sendmsg",
             "sendfile64",
         )
-        for d in ("enter", "exit")
     ),
     "sock:sock_recv_length",
     "sock:sock_send_length",
@@ -87,6 +89,10 @@ MIN_KERNEL = (6, 3)
 MIN_KERNEL_TEXT = "6.3"
 MIN_KERNEL_TRACEPOINTS = ("sock:sock_recv_length", "sock:sock_send_length")
 MIN_KERNEL_WHY = "sock:sock_recv_length and sock:sock_send_length (added in 6.3)"
+
+# The architectures whose syscall ABI bpf/http.c reads from the saved user registers
+# (syscall_args): platform.machine() -> the knob that selects it.
+SYSCALL_ABI_KNOBS = {"x86_64": "ARCH_X86_64", "aarch64": "ARCH_ARM64"}
 
 
 @dataclass(frozen=True)
@@ -166,6 +172,7 @@ KNOBS = frozenset(
         "WITH_IRQ_VECTORS",
         "WITH_CUDA",
         "CUDA_SYNC_THRESHOLD_NS",
+        *SYSCALL_ABI_KNOBS.values(),
     }
 )
 # x86 only: irq_work's own interrupt, where BPF ring buffer and perf wakeups run (the work set
@@ -370,7 +377,14 @@ class HttpProbes:
                     else ""
                 )
             )
+        arch = SYSCALL_ABI_KNOBS.get(platform.machine())
+        if arch is None:
+            raise ProbeError(
+                f"tracejoin reads syscall arguments as x86_64 and aarch64 pass them; this "
+                f"machine is {platform.machine() or 'of an unknown architecture'}"
+            )
         knobs: dict[str, int | None] = {
+            arch: None,
             "NCPU": _ncpus(),
             "RUNQ_THRESHOLD_NS": int(cfg.runq_threshold_ns),
             "WAKE_EVERY": wake_every(_ncpus()),

@@ -435,7 +435,7 @@ def parse_result(text: str) -> dict[str, Any]:
 # --- report ---------------------------------------------------------------------------------
 
 SIGNAL_COLUMNS = ("recvq", "tuple_at_read", "tcp_stats", "sched", "workset", "page_faults", "tlb")
-FEATURE_COLUMNS = ("ringbuf", "task_storage", "bpf_loop")
+FEATURE_COLUMNS = ("ringbuf", "task_pt_regs", "bpf_loop")
 
 
 def verdict(res: dict[str, Any]) -> tuple[str, bool]:

@@ -94,16 +94,15 @@ def doctor(res: Result) -> dict[str, Any]:
     return doc
 
 
-# Task storage (BPF_MAP_TYPE_TASK_STORAGE, 5.11): where per-syscall state could live instead of a
-# hash keyed by thread id. Its real load through BCC is compared with doctor's helper probe.
-TASK_STORAGE_PROGRAM = r"""
-BPF_TASK_STORAGE(ts, u64);
+# bpf_task_pt_regs (5.15): how a socket event reads its syscall's buffer from the thread's saved
+# registers (bpf/http.c, syscall_args). Its real load through BCC is compared with doctor's
+# helper probe.
+TASK_PT_REGS_PROGRAM = r"""
 TRACEPOINT_PROBE(syscalls, sys_enter_getppid) {
-    struct task_struct *t = (struct task_struct *)bpf_get_current_task_btf();
-    u64 *v = ts.task_storage_get(t, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
-    if (v)
-        *v += 1;
-    return 0;
+    u64 regs = (u64)bpf_task_pt_regs((struct task_struct *)bpf_get_current_task_btf());
+    u64 v = 0;
+    bpf_probe_read_kernel(&v, sizeof(v), (void *)regs);
+    return v == 1;
 }
 """
 
@@ -120,19 +119,19 @@ def features(res: Result, doc: dict[str, Any]) -> None:
     err = None
     with _Fd2Capture() as stderr:  # libbcc says there what the kernel refused
         try:
-            BPF(text=TASK_STORAGE_PROGRAM.encode()).cleanup()
+            BPF(text=TASK_PT_REGS_PROGRAM.encode()).cleanup()
         except Exception as e:  # bcc raises bare Exception on a failed load
             err = str(e).splitlines()[0] if str(e) else type(e).__name__
     if err is not None:
         err = _bcc_errors(stderr.text()) or err
-    res.timed("task storage trial")
+    res.timed("task pt_regs trial")
     loaded = err is None
-    res.data["task_storage_trial"] = "loaded" if loaded else f"failed: {err}"
-    said = feats.get("task_storage", {}).get("status")
+    res.data["task_pt_regs_trial"] = "loaded" if loaded else f"failed: {err}"
+    said = feats.get("task_pt_regs", {}).get("status")
     res.check(
-        "task storage probe agrees",
+        "task pt_regs probe agrees",
         said == ("available" if loaded else "unavailable"),
-        f"doctor: {said}; a BCC program using task storage: {res.data['task_storage_trial']}",
+        f"doctor: {said}; a BCC program calling bpf_task_pt_regs: {res.data['task_pt_regs_trial']}",
     )
 
 
