@@ -552,13 +552,27 @@ def targets(res: dict[str, Any]) -> list[Target]:
                 d <= 0.10,
             )
         )
-    cpu = res["agent"].get("cpu_us_per_span")
+    # The issue's target holds "at every rate in the loss curve": judged by the worst step. The
+    # overhead phases' figure (every rate together, dominated by the saturated phase's many
+    # records) is printed with the agent's rows, not judged.
+    per_step = [
+        (s["offered"], _cpu_s(s) * 1e6 / s["spans_built"])
+        for s in res["loss_curve"]
+        if s.get("spans_built")
+    ]
+    if per_step:
+        rate, worst = max(per_step, key=lambda x: x[1])
+        at = f"{rate:,} req/s" if isinstance(rate, int) else rate
+        steps = " / ".join(f"{v:.1f}" for _, v in per_step)
+        measured = f"{worst:.1f} µs at {at} (steps: {steps})"
+    else:
+        worst, measured = None, "no spans"
     out.append(
         Target(
-            "agent CPU per span (user+sys / spans built for export)",
+            "agent CPU per span (user+sys / spans built), every loss-curve step",
             "<= 10 µs",
-            f"{cpu:.1f} µs" if cpu is not None else "no spans",
-            None if cpu is None else cpu <= 10,
+            measured,
+            None if worst is None else worst <= 10,
         )
     )
     sy = ov["syscalls"]

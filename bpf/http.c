@@ -187,7 +187,7 @@ struct syscall_io {
 };
 
 /* One read or write being scanned: a window of SCRATCH_SIZE bytes of it at a time. */
-/* A request's opening or ending that a scanner leaves for the syscall's exit (forget() in
+/* A request's opening or ending that a scanner leaves for the syscall's exit (syscall_exit() in
  * http_conn.h, bpf/http_workset.h): the scanners are near the verifier's limit, so they only
  * note it, in a few stores and no branch. */
 #define WS_NOTES 4
@@ -219,7 +219,7 @@ struct scratch {
     u32 chain;                  /* tail calls used so far */
     u32 walk_more;              /* the iovec walk stopped short: load again to go on */
     u32 h2_more;                /* 1 + PROG_H2_*: an HTTP/2 scan out of tail calls goes on at
-                                 * the syscall's exit (forget()); H2_MORE_EXIT: that pass runs */
+                                 * the syscall's exit (syscall_exit()); H2_MORE_EXIT: that pass runs */
     struct ws_note notes[WS_NOTES];
     u32 nnotes;                 /* notes written so far (the last WS_NOTES are kept) */
     u32 h2_tid;                 /* the thread whose exit h2_more waits for */

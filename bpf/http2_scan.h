@@ -839,7 +839,7 @@ static __always_inline int h2_step(struct scratch *s, struct conn *c, struct h2c
     return STEP_GO;
 }
 
-/* A scan is done. In the syscall's exit pass, the notes forget() would have run come next. */
+/* A scan is done. In the syscall's exit pass, the notes syscall_exit() would have run come next. */
 static __always_inline void h2_done(void *ctx, struct scratch *s)
 {
     if (s->h2_more == H2_MORE_EXIT && s->nnotes)
@@ -1014,7 +1014,7 @@ out:;
     u32 self = dir == DIR_RD ? PROG_H2_RD : PROG_H2_WR;
     if (more && !blind && s->chain >= CHAIN_MAX - 1 && !s->h2_more) {
         /* out of tail calls (many streams in one read): the syscall's exit goes on, with
-         * a budget of its own (forget()); the ends queued so far wait in h2_ends */
+         * a budget of its own (syscall_exit()); the ends queued so far wait in h2_ends */
         s->h2_more = 1 + self;
         s->h2_tid = (u32)bpf_get_current_pid_tgid();
         hc->at_exit = 1;

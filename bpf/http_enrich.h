@@ -14,7 +14,7 @@
 #define TASK_REPORT_MAX_ 0x100  /* prev_state bit for "preempted" (R+); below it, the sleep states */
 
 /* The scanners only note a request's opening and ending (a few stores, no branch: they are near
- * the verifier's limit); the thread's syscall exit does the work (run_notes, from forget() in
+ * the verifier's limit); the thread's syscall exit does the work (run_notes, from syscall_exit() in
  * http_conn.h), in the same thread a few microseconds later. */
 static __always_inline void note(struct scratch *s, u32 kind, u32 tid, u64 seq, u64 conn_id,
                                  u64 end_ns)
@@ -354,7 +354,7 @@ TRACEPOINT_PROBE(tcp, tcp_probe)
 }
 #endif
 
-/* Tail call PROG_RUN_NOTES from a probed syscall's exit (forget() in http_conn.h): verified once,
+/* Tail call PROG_RUN_NOTES from a probed syscall's exit (syscall_exit() in http_conn.h): verified once,
  * not in each exit program. */
 int run_notes(void *ctx)
 {
