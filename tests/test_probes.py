@@ -171,6 +171,11 @@ def test_start_compiles_in_a_child_and_releases_the_compilers_code(require_root)
         finally:
             again.cleanup()
         assert "records_submitted" in probe.kernel_counters()
+        # every read and write on the host passes the syscall tracepoints: only their exits
+        # run a program (a socket event reads its syscall's arguments from the registers)
+        attached = {bytes(tp).decode() for tp in probe._bpf.tracepoint_fds}
+        assert "syscalls:sys_exit_read" in attached and "syscalls:sys_exit_sendmsg" in attached
+        assert not [tp for tp in attached if tp.startswith("syscalls:sys_enter_")]
         probe.poll(0)
     finally:
         probe.shutdown()
