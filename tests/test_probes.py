@@ -234,3 +234,18 @@ TRACEPOINT_PROBE(syscalls, sys_enter_getppid) {
         assert sum(n // (i + 1) for i, n in enumerate(by_key)) == 500  # every call counted once
     finally:
         b.cleanup()
+
+
+@pytest.mark.privileged
+def test_the_other_architectures_syscall_branch_compiles(require_root, tmp_path):
+    """Only one architecture's syscall_args runs on a host; the other's must not rot unseen: it
+    compiles (the compiler's child, as a start does; nothing is loaded or attached)."""
+    p = HttpProbes(ProbeConfig(), Metrics())
+    knobs = p.plan()
+    ours = next(k for k in probes.SYSCALL_ABI_KNOBS.values() if k in knobs)
+    other = next(k for k in probes.SYSCALL_ABI_KNOBS.values() if k != ours)
+    del knobs[ours]
+    text, cflags = p.render({**knobs, other: None})
+    assert f"#define {other}" in text
+    units, _ = compiled._compile_in_children([text], cflags, "other-arch", tmp_path)
+    assert len(units) == 1
