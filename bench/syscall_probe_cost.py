@@ -1,21 +1,26 @@
-"""What a syscall-entry probe costs every other process, by how it keeps its per-thread state.
+"""What tracejoin's syscall probes cost every other process, by how they keep per-syscall state.
 
     sudo python -m bench.syscall_probe_cost [--calls 500000] [--rounds 3]
 
-tracejoin's `sys_enter_read` remembers (fd, buffer, length) per thread and `sys_exit_read`
-forgets it, for EVERY thread on the host (a port filter cannot act before the socket is known).
-This loads, one at a time, a pair of small programs on syscalls:sys_enter_read/sys_exit_read
-that differ only in where that state lives, and times an unrelated process's 1-byte read() of
-/dev/zero (bench/loadgen `syscall`) under each, interleaved over `rounds`:
+Until 2026-12-04 tracejoin's `sys_enter_read` remembered (fd, buffer, length) per thread for
+the socket event inside the read, and `sys_exit_read` forgot it, for EVERY thread on the host
+(a port filter cannot act before the socket is known). Since then the socket event reads the
+syscall's arguments from the thread's saved registers and nothing runs at the entry; the exit
+stays (it runs what a scan left for the syscall's end). This loads, one at a time, small
+programs on syscalls:sys_enter_read/sys_exit_read that differ only in that state, and times an
+unrelated process's 1-byte read() of /dev/zero (bench/loadgen `syscall`) under each,
+interleaved over `rounds`:
 
   none          nothing attached (the baseline)
   empty         both programs attached, returning at once: the tracepoint + BPF entry cost
-  lru_hash      update on entry, delete on exit: what bpf/http.c does today
+  lru_hash      update on entry, delete on exit: bpf/http.c before issue 13
   hash          the same with a preallocated BPF_HASH
-  task_storage  BPF_TASK_STORAGE: get-or-create on entry and write; clear a flag on exit
+  task_storage  BPF_TASK_STORAGE: get-or-create on entry and write; clear a flag on exit:
+                bpf/http.c until 2026-12-04
   percpu_array  one slot per CPU (thread id checked on use): no map lookup by key at all
+  exit_only     no entry program; the exit reads one per-CPU array slot: bpf/http.c now
 
-Prints ns per read() and the difference to `none`. Not part of `make bench` (it compiles six
+Prints ns per read() and the difference to `none`. Not part of `make bench` (it compiles seven
 programs); docs/performance.md quotes it.
 """
 
@@ -111,6 +116,16 @@ TRACEPOINT_PROBE(syscalls, sys_exit_read) {
     struct slot *s = pending_rd.lookup(&z);
     if (s)
         s->id = 0;
+    return 0;
+}
+""",
+    "exit_only": r"""
+BPF_PERCPU_ARRAY(scratch, struct pending_io, 1);
+TRACEPOINT_PROBE(syscalls, sys_exit_read) {
+    int z = 0;
+    struct pending_io *s = scratch.lookup(&z);
+    if (s && s->has_buf)
+        s->has_buf = 0;
     return 0;
 }
 """,
