@@ -404,7 +404,9 @@ static __always_inline int syscall_args(struct sc_args *a)
     a->fd = r.di;
     a->ptr = r.si;
     a->len = r.dx;
-    return r.cs == 0x33;        /* __USER_CS: 64-bit user mode (0x23 is 32-bit, 0 a worker) */
+    /* __USER_CS: 64-bit user mode (0x23 is 32-bit, 0 a worker). The selector is the low 16
+     * bits: with FRED the word above it holds event flags (struct fred_cs). */
+    return (u16)r.cs == 0x33;
 #endif
 #ifdef ARCH_ARM64
     u64 x[2];
