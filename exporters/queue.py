@@ -17,6 +17,13 @@ first counts a batch, so once shutdown() returns: submitted == exported + droppe
 
 Memory is bounded: at most max_queue_spans queued plus one batch (max_batch) in flight.
 
+A batch is one export request: up to max_batch spans (2048) and, by their encoded bodies, up
+to max_batch_bytes (2 MiB), so a request stays well under the 4 MiB a gRPC receiver takes by
+default however large the spans. Fewer, larger requests: the exporter thread spent 1.9-2.3 µs
+a span with batches of 512 and 1.1-1.5 µs with 2048 at 5k and 15k spans a second
+(bench.profile_agent --rate R, docs/performance.md): the per-request work, shared by four times
+the spans.
+
 Retries happen here and only here. The OTLP package's exporters would retry inside export()
 (backoff up to their 10 s timeout, 6 attempts); ours make one attempt per call, so a failure
 is never retried twice over. The queue is the right place because it alone knows the shutdown
@@ -37,7 +44,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 from tracejoin.core.metrics import Metrics
-from tracejoin.core.model import ExportSpan, Span
+from tracejoin.core.model import EncodedSpan, ExportSpan, Span
 from tracejoin.exporters.base import ExportResult, SpanExporter
 
 log = logging.getLogger(__name__)
@@ -47,6 +54,12 @@ EXPORTED = "spans_exported"
 RETRIES = "export_retries"
 FAILURES = "export_failures"
 
+MAX_BATCH = 2048
+MAX_BATCH_BYTES = 2 << 20
+# What a span not yet encoded (a model.Span: the file, console and Perfetto destinations' path)
+# counts for against max_batch_bytes: a server span with its enrichment encodes to ~700 B.
+SPAN_BYTES_GUESS = 1024
+
 
 class BatchExportQueue:
     def __init__(
@@ -55,7 +68,8 @@ class BatchExportQueue:
         metrics: Metrics,
         *,
         max_queue_spans: int = 8192,
-        max_batch: int = 512,
+        max_batch: int = MAX_BATCH,
+        max_batch_bytes: int = MAX_BATCH_BYTES,
         flush_interval_s: float = 1.0,
         max_retries: int = 5,
         initial_backoff_s: float = 0.5,
@@ -71,6 +85,7 @@ class BatchExportQueue:
         self.name = name
         self.max_queue_spans = max_queue_spans
         self.max_batch = max_batch
+        self.max_batch_bytes = max_batch_bytes
         self.flush_interval_s = flush_interval_s
         self.max_retries = max_retries
         self.initial_backoff_s = initial_backoff_s
@@ -237,12 +252,24 @@ class BatchExportQueue:
                 if now >= next_flush:
                     next_flush = now + self.flush_interval_s
                 self._cond.wait(next_flush - now)
-            n = min(len(q), self.max_batch)
-            batch = [q.popleft() for _ in range(n)]
+            batch = self._take(q)
             self._inflight = batch
             if not q:
                 self._flush_requested = False
             return batch
+
+    def _take(self, q: collections.deque[ExportSpan]) -> list[ExportSpan]:
+        """The next batch off q (under the lock): up to max_batch spans, stopping before the
+        span that would take it past max_batch_bytes; at least one span."""
+        batch: list[ExportSpan] = []
+        size, limit, most = 0, self.max_batch_bytes, min(len(q), self.max_batch)
+        while len(batch) < most:
+            span = q[0]
+            size += len(span.body) if isinstance(span, EncodedSpan) else SPAN_BYTES_GUESS
+            if size > limit and batch:
+                break
+            batch.append(q.popleft())
+        return batch
 
     def _export(self, batch: list[ExportSpan]) -> None:
         started = time.monotonic()

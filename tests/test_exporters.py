@@ -1176,6 +1176,29 @@ def test_queue_batches_by_size_and_interval() -> None:
     assert metrics.get("spans_exported", exporter="q") == 20
 
 
+def test_queue_batches_by_encoded_bytes_too() -> None:
+    """A batch is one request: it stops before the span that would take its encoded bodies past
+    max_batch_bytes (a gRPC receiver takes 4 MiB by default), a span larger than that goes
+    alone, and the span count still caps it. Nothing is lost or reordered."""
+    from tracejoin.core.model import EncodedSpan, Resource
+
+    res = Resource((("service.name", "big"),))
+    sizes = [300, 300, 300, 1500, 50, 50, 50, 50, 50, 50]  # bytes of each span's body
+    metrics = Metrics()
+    exp = InMemoryExporter()
+    q = fast_queue(exp, metrics, max_batch=4, max_batch_bytes=1000, flush_interval_s=0.05)
+    spans = [EncodedSpan(res, bytes([i]) * n) for i, n in enumerate(sizes)]
+    assert q.submit_many(spans) == len(spans)  # queued before the worker starts: one backlog
+    q.start()
+    deadline = time.monotonic() + 3
+    while len(exp.spans) < len(spans) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    q.shutdown(1)
+    assert exp.batch_sizes == [3, 1, 4, 2]  # 900 B; 1500 B alone; 4 x 50 B by count; the rest
+    assert [s.body for s in exp.spans] == [s.body for s in spans]
+    assert metrics.get("spans_exported", exporter="q") == len(spans)
+
+
 def test_fanout_file_and_grpc_side_by_side(tmp_path: Path, grpc_collector: GrpcCollector) -> None:
     metrics = Metrics()
     path = tmp_path / "out.jsonl"

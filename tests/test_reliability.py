@@ -62,6 +62,7 @@ from tracejoin.core.record import (
     WS_SLOTS,
     HttpRecord,
 )
+from tracejoin.exporters.queue import MAX_BATCH  # at most one batch in flight beside the queue
 from tracejoin.kernel.probes import OPTIONAL_SIGNALS, ProbeConfig
 
 pytestmark = pytest.mark.privileged
@@ -74,7 +75,6 @@ RECORD_BYTES = ctypes.sizeof(HttpRecord)
 # REC_HTTP_FIXED_SIZE, four: RECORD_BYTES), so between these many fit
 RINGBUF_RECORDS = RINGBUF_BYTES // (REC_HTTP_FIXED_SIZE + 8)
 RINGBUF_RECORDS_MIN = RINGBUF_BYTES // (RECORD_BYTES + 8)
-MAX_BATCH = 512  # BatchExportQueue's default batch: at most one in flight besides the queue
 # spans of one request (server + receive-queue child + 4 run-queue children + 4 work-set
 # helpers): spans_built counts a request's spans before they are submitted, so a scrape may see
 # them built but not queued
