@@ -555,11 +555,7 @@ def targets(res: dict[str, Any]) -> list[Target]:
     # The issue's target holds "at every rate in the loss curve": judged by the worst step. The
     # overhead phases' figure (every rate together, dominated by the saturated phase's many
     # records) is printed with the agent's rows, not judged.
-    per_step = [
-        (s["offered"], _cpu_s(s) * 1e6 / s["spans_built"])
-        for s in res["loss_curve"]
-        if s.get("spans_built")
-    ]
+    per_step = [(s["offered"], _per_span([s])) for s in res["loss_curve"] if s.get("spans_built")]
     if per_step:
         rate, worst = max(per_step, key=lambda x: x[1])
         at = f"{rate:,} req/s" if isinstance(rate, int) else rate

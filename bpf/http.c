@@ -354,7 +354,7 @@ static __always_inline int task_allowed(u32 pid)
  * host, socket or not, would pay for a program there (bench/run.py's unrelated process).
  * The registers' layout is the user ABI (x86_64: ptrace's user_regs_struct; arm64: its
  * user_pt_regs, then orig_x0 and syscallno) and the numbers are the syscall ABI: neither moves
- * with the kernel. tests/test_probes.py checks the offsets against the running kernel's BTF. */
+ * with the kernel. tests/test_btf.py checks the offsets against the running kernel's BTF. */
 struct sc_args {
     u64 nr, fd, ptr, len;       /* the syscall number and its first three arguments */
 };

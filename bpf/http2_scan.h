@@ -839,7 +839,8 @@ static __always_inline int h2_step(struct scratch *s, struct conn *c, struct h2c
     return STEP_GO;
 }
 
-/* A scan is done. In the syscall's exit pass, the notes syscall_exit() would have run come next. */
+/* A scan is done. In the syscall's exit pass, the notes syscall_exit() would have run come
+ * next. */
 static __always_inline void h2_done(void *ctx, struct scratch *s)
 {
     if (s->h2_more == H2_MORE_EXIT && s->nnotes)
