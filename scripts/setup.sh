@@ -93,6 +93,7 @@ venv() {
         if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] \
             && [ "$stamp" -nt agent/pipeline/_span_bytes.c ] \
             && [ "$stamp" -nt agent/enrich/_trace_context.c ] \
+            && [ "$stamp" -nt agent/enrich/plain_traceparent.h ] \
             && [ "$stamp" -nt bpf/http_record.h ] \
             && [ "$stamp" -nt agent/kernel/_ring_read.c ]; then return 0; fi
     done

@@ -18,16 +18,22 @@ from records import PID, TID, record
 from tracejoin.core import record as R
 from tracejoin.core.metrics import Metrics
 from tracejoin.core.model import EncodedSpan, Resource, Span
+from tracejoin.core.otlp_wire import INT64_MAX
+from tracejoin.enrich import correlate
 from tracejoin.enrich.correlate import Endpoints
 from tracejoin.enrich.enricher import EnrichedRecord, Enricher
+from tracejoin.enrich.resources import ServedProcess
 from tracejoin.exporters.otlp_proto import encode_request, encode_request_bytes
 from tracejoin.kernel.decode import (
+    REC_HTTP_FIXED_SIZE,
     REQF_FIRST_ON_CONN,
     REQF_NO_RESPONSE,
     REQF_PATH_TRUNC,
     REQF_RESP_UNTERM,
     REQF_TLB_HW,
+    REQF_TUPLE,
     HttpRecord,
+    decode_http,
 )
 from tracejoin.pipeline import span_bytes
 from tracejoin.pipeline.span_bytes import encode_spans
@@ -442,3 +448,216 @@ def test_server_span_rejects_what_it_cannot_read_and_bounds_its_cache():
     for i in range(5000):
         c(*_server_span_args(record(TP, path=f"/p/{i}".encode()), opts, prefixes=prefixes))
     assert 0 < len(prefixes) <= 4096
+
+
+# -- the batch writer: the common record from the ring's bytes, a batch in one C call ----------
+
+SERVED = {
+    "plain": ServedProcess(resource(1), ""),
+    "instrumented": ServedProcess(resource(1), "k8s", "otel-sdk"),
+    "service source": ServedProcess(resource(1), "k8s"),
+}
+SPAN_ID = 0x2A2A2A2A2A2A2A2A
+
+
+def _batch_records() -> list[tuple[str, HttpRecord]]:
+    """records() and the ways a record leaves the common case that those do not vary."""
+    out = records()
+    r = record(TP)
+    r.family, r.laddr[:16], r.raddr[:16] = 10, [0] * 15 + [1], [0xFE, 0x80] + [0] * 13 + [7]
+    out.append(("v6 tuple", r))
+    r = record(TP)
+    r.conn_id = 0  # the kernel could not number the connection: not kept
+    out.append(("unnumbered connection", r))
+    out.append(("unsampled traceparent", record(TP[:-2] + "00")))
+    out.append(("other flags, sampled", record(TP[:-2] + "03")))
+    r = record(TP)
+    r.flags &= ~REQF_TUPLE
+    out.append(("no tuple (resolved from /proc)", r))
+    r = record(TP)
+    r.tp_count = 2
+    out.append(("two traceparents", r))
+    r = record(TP, path=b"/tj.Echo/Say")
+    r.h2_flags, r.seq = R.H2F_STREAM | R.H2F_PATH_HUFF, 3
+    out.append(("http2 Huffman-coded path", r))
+    return out
+
+
+BATCH_CASES = [
+    pytest.param(rec, served, signals, tlb, id=f"{name}|{served}|{signals}|{tlb}")
+    for (name, rec), served, signals, tlb in itertools.product(
+        _batch_records(), SERVED, SIGNAL_SETS, ("flush_fallback", "off")
+    )
+    if served == "plain" or signals == "basic"
+]
+
+
+def _common(rec: HttpRecord, opts: SpanOptions) -> bool:
+    """What the batch writer must write itself (the rest is the stages')."""
+    data = bytes(rec)
+    plain = correlate._plain_traceparent(rec) if correlate._plain_traceparent else None
+    return (
+        plain is not None
+        and bool(plain[2] & 1)
+        and bool(rec.flags & REQF_TUPLE)
+        and not rec.ws_flags & R.WSF_CUDA
+        and not rec.h2_flags & (R.H2F_TP_HUFF | R.H2F_PATH_HUFF | R.H2F_METHOD_HUFF)
+        and not span_bytes.needs_children(rec, opts)
+        and rec.conn_id <= INT64_MAX
+        and rec.seq <= INT64_MAX
+        and len(data) >= REC_HTTP_FIXED_SIZE
+    )
+
+
+def _write_batch(writer: span_bytes.BatchWriter, data: list[bytes], monkeypatch) -> tuple:
+    monkeypatch.setattr(span_bytes.os, "urandom", lambda n: SPAN_ID.to_bytes(8, "big") * (n // 8))
+    spans: list = []
+    rest = writer.write(data, spans)
+    return spans, rest
+
+
+@pytest.mark.parametrize(("rec", "served", "signals", "tlb"), BATCH_CASES)
+def test_the_batch_writer_writes_what_the_stages_write(rec, served, signals, tlb, monkeypatch):
+    """Each record alone: the common ones are written in C with the bytes the stages write
+    (decode, enrich, build_spans); every other one is left to the stages, untouched."""
+    assert span_bytes._spans_batch_c is not None, "_span_bytes.c was not built"
+    enricher = Enricher(Metrics(), lambda pid: SERVED[served])
+    opts = SpanOptions(SIGNAL_SETS[signals], tlb, recvq_child_threshold_ns=10_000_000)
+    data = bytes(rec)
+    spans, rest = _write_batch(span_bytes.BatchWriter(enricher, opts), [data], monkeypatch)
+    if not _common(rec, opts):
+        assert (spans, rest) == ([], [data])
+        return
+    assert rest == []
+    decoded = decode_http(data)
+    assert decoded is not None
+    e = enricher.enrich(decoded)
+    assert e is not None
+    reference = build_spans(e, opts, lambda bits: SPAN_ID)
+    assert len(spans) == len(reference) == 1
+    assert isinstance(spans[0], EncodedSpan)
+    assert spans[0].resource is SERVED[served].resource
+    assert encode_request_bytes(spans) == encode_request_bytes(reference)
+
+
+def test_the_batch_writers_common_case_is_most_of_the_cases():
+    """_common above must not be vacuous: plain records, HTTP/2 streams, work sets and both
+    tuples are written in C; roots, rejections, children and CUDA sums are not."""
+    opts = SpanOptions(SIGNAL_SETS["workset"], recvq_child_threshold_ns=10_000_000)
+    common = {name for name, rec in _batch_records() if _common(rec, opts)}
+    for name in ("status 200", "http2 grpc OK", "v6 tuple", "unnumbered connection"):
+        assert name in common
+    for name in ("root (no traceparent)", "rejected traceparent", "unsampled traceparent"):
+        assert name not in common
+    assert "work set shared=True" not in common  # its helpers are child spans
+    assert "long receive-queue wait (child)" not in common
+
+
+def test_a_batch_keeps_each_process_and_connection_apart(monkeypatch):
+    """More processes in one batch than the writer remembers per batch, interleaved, and many
+    connections: each span has its own process's resource and its own connection's tuple."""
+    enricher = Enricher(Metrics(), lambda pid: ServedProcess(resource(pid), ""))
+    opts = SpanOptions(SIGNAL_SETS["basic"], recvq_child_threshold_ns=10**12)
+    writer = span_bytes.BatchWriter(enricher, opts)
+    batch = []
+    for i in range(40):
+        r = record(TP)
+        r.pid, r.conn_id, r.rport = 100 + i % 13, 1000 + i % 7, 40000 + i % 7
+        batch.append(bytes(r))
+    spans, rest = _write_batch(writer, batch, monkeypatch)
+    assert rest == [] and len(spans) == 40
+    for i, span in enumerate(spans):
+        assert span.resource == resource(100 + i % 13)
+        attrs = {a.key: a.value for a in trace_pb2.Span.FromString(span.body).attributes}
+        assert attrs["client.port"].int_value == 40000 + i % 7
+        assert attrs["tracejoin.connection.id"].int_value == 1000 + i % 7
+
+
+def test_the_batch_writer_bounds_its_connection_cache(monkeypatch):
+    writer = span_bytes.BatchWriter(Enricher(Metrics(), resource), SpanOptions(frozenset()))
+    batch = []
+    for i in range(70_000):
+        r = record(TP)
+        r.conn_id = i + 1
+        batch.append(bytes(r))
+    spans, rest = _write_batch(writer, batch, monkeypatch)
+    assert len(spans) == 70_000 and rest == []
+    assert 0 < len(writer._conns) <= 65536
+
+
+def test_the_batch_writer_rejects_what_it_cannot_read():
+    c = span_bytes._spans_batch_c
+    assert c is not None
+    good = (
+        [bytes(record(TP))],
+        [],
+        [],
+        (span_bytes._PREFIXES[False][0], span_bytes._PREFIXES[True][0]),
+        (span_bytes._PREFIXES[False][1], span_bytes._PREFIXES[True][1]),
+        lambda pid: (resource(pid), b"", False),
+        {},
+        lambda family, laddr, raddr: (b"", b""),
+        EncodedSpan,
+        0,
+        bytes(8),
+        span_bytes._plan(SpanOptions(frozenset())),
+    )
+    assert c(*good) == 0  # a zero span id: left to the stages
+    bad = {
+        0: ((bytes(record(TP)),), TypeError),
+        3: (({}, {}, {}), TypeError),
+        5: (lambda pid: "resource", TypeError),
+        7: (lambda family, laddr, raddr: (b"", "text"), TypeError),
+        8: (Span, TypeError),
+        10: (b"", ValueError),
+        11: ((0,), TypeError),
+    }
+    for at, (value, exc) in bad.items():
+        args = list(good)
+        args[at] = value
+        args[10] = bytes([1]) * 8 if at != 10 else value
+        with pytest.raises(exc):
+            c(*args)
+    args = list(good)
+    args[5], args[10] = (lambda pid: 1 / 0), bytes([1]) * 8
+    with pytest.raises(ZeroDivisionError):  # the resolver's own error, as it is
+        c(*args)
+
+
+def test_the_pipeline_writes_a_mixed_batch_whole_and_survives_a_failing_writer():
+    """One batch of common and uncommon records: every span reaches the destination and the
+    counters add up. A batch writer that raises costs nothing: the stages take the batch."""
+    from tracejoin.pipeline.stages import Pipeline
+
+    for broken in (False, True):
+        dest = _Destination(True)
+        metrics = Metrics()
+        p = Pipeline(
+            source=None,  # type: ignore[arg-type]  # process() is driven directly
+            enricher=Enricher(metrics, resource),
+            span_options=SpanOptions(SIGNAL_SETS["basic"], recvq_child_threshold_ns=10_000_000),
+            destinations=[dest],  # type: ignore[arg-type]
+            metrics=metrics,
+        )
+        assert p.batch_writer is not None
+        if broken:
+            p.batch_writer._resolve = lambda pid: 1 / 0  # type: ignore[method-assign]
+        batch = [
+            bytes(record(TP)),  # common
+            bytes(record(None)),  # a root: the stages
+            bytes(record(TP, arrival=1, read=50_000_000)),  # a child span: the stages
+            bytes(record(TP, path=b"/y")),  # common
+            b"\x01short",  # undecodable: counted by the stages
+        ]
+        p.process(batch)
+        assert len(dest.got) == 5  # 2 common, the root, the queued one and its child
+        assert metrics.total("spans_built") == 5
+        assert metrics.total("records_received") == 5
+        assert metrics.total("records_dropped_userspace") == 1
+        assert metrics.total("reader_errors") == (1 if broken else 0)
+        assert (p.batch_writer is None) == broken
+        parsed = encode_request(dest.got).resource_spans[0].scope_spans[0].spans
+        paths = sorted(
+            a.value.string_value for s in parsed for a in s.attributes if a.key == "url.path"
+        )
+        assert paths == ["/x", "/x", "/x", "/y"]

@@ -7,6 +7,7 @@ tens of microseconds, and exporters encode these straight into OTLP protobuf/JSO
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 AttrValue = str | int | float | bool
 
@@ -67,11 +68,11 @@ class Span:
         return self.end_ns - self.start_ns
 
 
-@dataclass(frozen=True, slots=True)
-class EncodedSpan:
+class EncodedSpan(NamedTuple):
     """A span the span builder already wrote as the body of an OTLP `Span` message (the
     object-free path, pipeline/span_bytes.py). Only destinations that send OTLP protobuf take it
-    (their `accepts_encoded`); they place `body` under `resource`'s ResourceSpans as it is."""
+    (their `accepts_encoded`); they place `body` under `resource`'s ResourceSpans as it is.
+    A named tuple: span_bytes' batch writer makes one per request in C, as a tuple."""
 
     resource: Resource
     body: bytes

@@ -16,28 +16,7 @@
 
 #include <linux/types.h>
 
-#include "http_record.h"
-
-#define VALUE_LEN 55 /* "00-" + 32 + "-" + 16 + "-" + 2 */
-
-/* n lowercase hex digits -> *out; 0 when one is not lowercase hex. */
-static int hex_u64(const char *s, int n, uint64_t *out)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < n; i++) {
-        char c = s[i];
-        unsigned d;
-        if (c >= '0' && c <= '9')
-            d = (unsigned)(c - '0');
-        else if (c >= 'a' && c <= 'f')
-            d = (unsigned)(c - 'a' + 10);
-        else
-            return 0;
-        v = (v << 4) | d;
-    }
-    *out = v;
-    return 1;
-}
+#include "plain_traceparent.h"
 
 static PyObject *trace_id_int(uint64_t hi, uint64_t lo)
 {
@@ -63,14 +42,8 @@ static PyObject *plain_traceparent(PyObject *self, PyObject *rec)
         PyErr_SetString(PyExc_ValueError, "rec is shorter than struct http_record");
         return NULL;
     }
-    const struct http_record *r = view.buf;
-    const char *v = r->tp;
     uint64_t hi, lo, parent, flags;
-    int plain = r->tp_count == 1 && !(r->h2_flags & H2F_TP_HUFF) && r->tp_len == VALUE_LEN
-                && v[0] == '0' && v[1] == '0' && v[2] == '-' && v[35] == '-' && v[52] == '-'
-                && hex_u64(v + 3, 16, &hi) && hex_u64(v + 19, 16, &lo)
-                && hex_u64(v + 36, 16, &parent) && hex_u64(v + 53, 2, &flags)
-                && (hi | lo) != 0 && parent != 0;
+    int plain = plain_traceparent_ids(view.buf, &hi, &lo, &parent, &flags);
     PyBuffer_Release(&view);
     if (!plain)
         Py_RETURN_NONE;

@@ -128,6 +128,11 @@ def _addr(family: int, raw: bytes) -> str:
     return text
 
 
+def carried_addresses(family: int, laddr: bytes, raddr: bytes) -> tuple[str, str]:
+    """The local and peer addresses a record carries (REQF_TUPLE), as text."""
+    return _addr(family, laddr), _addr(family, raddr)
+
+
 def _addr_text(family: int, raw: bytes) -> str:
     if family == socket.AF_INET:
         return str(ipaddress.IPv4Address(raw[:4]))
@@ -161,12 +166,8 @@ class ConnectionTable:
             conn_id = rec.conn_id
             got = self._carried.get(conn_id)
             if got is None:
-                got = Endpoints(
-                    _addr(rec.family, bytes(rec.laddr)),
-                    rec.lport,
-                    _addr(rec.family, bytes(rec.raddr)),
-                    rec.rport,
-                )
+                local, peer = carried_addresses(rec.family, bytes(rec.laddr), bytes(rec.raddr))
+                got = Endpoints(local, rec.lport, peer, rec.rport)
                 if len(self._carried) >= self._max:
                     self._carried.clear()
                 if conn_id:  # 0: the kernel could not number it

@@ -102,7 +102,7 @@ class Enricher:
             trace_id, parent_id, flags = ctx.trace_id, ctx.parent_id, ctx.flags
         else:
             trace_id, parent_id, flags = self.new_id(128), 0, 1
-        served = self._served(rec.pid)
+        served = self.served(rec.pid)
         return EnrichedRecord(
             rec=rec,
             trace_id=trace_id,
@@ -117,7 +117,8 @@ class Enricher:
             instrumented=served.instrumented,
         )
 
-    def _served(self, pid: int) -> ServedProcess:
+    def served(self, pid: int) -> ServedProcess:
+        """The resolver's answer for pid, reused for SERVED_MEMO_S."""
         now = time.monotonic()
         memo = self._served_memo.get(pid)
         if memo is not None and now < memo[0]:
@@ -135,7 +136,7 @@ class Enricher:
         names: dict[int, str] = {}
         for m in rec.members[: min(rec.ws_nslots, WS_SLOTS)]:
             if m.pid and m.pid != rec.pid and m.pid not in names:
-                names[m.pid] = process_name(self._served(m.pid).resource, m.pid)
+                names[m.pid] = process_name(self.served(m.pid).resource, m.pid)
         return names
 
 

@@ -402,7 +402,8 @@ def check_span_encoder() -> Check:
     return _compiled_or_fallback(
         "span encoder",
         span_bytes.COMPILED,
-        "compiled encoder (_span_bytes.c)",
+        "compiled encoder (_span_bytes.c): the common request's span from the ring's bytes, a "
+        "batch a call; the server span of the others",
         "pure-Python encoder: the install had no C compiler; the same spans, more agent CPU per "
         "span (docs/performance.md)",
     )

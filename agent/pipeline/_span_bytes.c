@@ -28,6 +28,7 @@
 #include <linux/types.h>
 
 #include "http_record.h"
+#include "plain_traceparent.h"
 
 #define T_SPAN_ATTR 0x4a /* Span.attributes (9), length-delimited */
 #define T_ANY_INT 0x18   /* AnyValue.int_value (3), varint */
@@ -386,115 +387,73 @@ static int needs_children(const struct http_record *r, unsigned signals, int que
 
 static PyObject *k64; /* the int 64, for the trace id's high half */
 
-/* server_span(rec, prefixes, make_prefix, trace_id, span_id, parent_id, trace_flags,
- *             clock_offset_ns, endpoints, server_addr, client_addr, extra, gpu, plan)
- *   rec: the decoded HttpRecord (any buffer of the struct's size);
- *   prefixes, make_prefix: see request_prefix (one dict per span kind: the name differs);
- *   endpoints: None or an object with local_addr, local_port, peer_addr, peer_port;
- *   server_addr, client_addr: str -> that attribute's field (bytes);
- *   extra: the fields from tracejoin.service_name.source to .traceparent.rejected;
- *   gpu: the tracejoin.gpu.* fields; plan: (signal bits, TLB flush fallback, recvq child
- *   threshold ns, runq child threshold ns).
- * -> (body, whether child spans may follow), or None: take the Python path. */
-static PyObject *server_span(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* What write_span needs besides the record and its request prefix. */
+struct span_in {
+    uint64_t trace_hi, trace_lo, span_id, parent_id, trace_flags;
+    uint64_t offset; /* kernel monotonic ns + this = Unix epoch ns (two's complement) */
+    PyObject *extra, *gpu;   /* bytes */
+    PyObject *saddr, *caddr; /* bytes, or NULL: no endpoints */
+    uint64_t lport, rport;
+    unsigned signals;
+    int tlb_fallback;
+};
+
+/* plan: (signal bits, TLB flush fallback, recvq child threshold ns, runq child threshold ns) */
+static int plan_arg(PyObject *plan, struct span_in *in, uint64_t *recvq_threshold,
+                    uint64_t *runq_threshold)
 {
-    (void)self;
-    if (nargs != 14) {
-        PyErr_Format(PyExc_TypeError, "server_span takes 14 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    PyObject *prefixes = args[1], *make = args[2], *ep = args[8], *extra = args[11],
-             *gpu = args[12], *plan = args[13];
-    if (!PyDict_CheckExact(prefixes)) {
-        PyErr_SetString(PyExc_TypeError, "prefixes must be a dict");
-        return NULL;
-    }
+    uint64_t signals, tlb_fallback;
     if (!PyTuple_CheckExact(plan) || PyTuple_GET_SIZE(plan) != 4) {
         PyErr_SetString(PyExc_TypeError, "plan must be a 4-tuple");
-        return NULL;
+        return -1;
     }
-    if (arg_bytes(extra, "extra") < 0 || arg_bytes(gpu, "gpu") < 0)
-        return NULL;
-    uint64_t trace_lo, trace_hi, span_id, parent_id, trace_flags, signals, tlb_fallback,
-        recvq_threshold, runq_threshold;
-    if (arg_u64(args[3], &trace_lo) < 0 || arg_u64(args[4], &span_id) < 0
-        || arg_u64(args[5], &parent_id) < 0 || arg_u64(args[6], &trace_flags) < 0
-        || arg_u64(PyTuple_GET_ITEM(plan, 0), &signals) < 0
+    if (arg_u64(PyTuple_GET_ITEM(plan, 0), &signals) < 0
         || arg_u64(PyTuple_GET_ITEM(plan, 1), &tlb_fallback) < 0
-        || arg_u64(PyTuple_GET_ITEM(plan, 2), &recvq_threshold) < 0
-        || arg_u64(PyTuple_GET_ITEM(plan, 3), &runq_threshold) < 0)
-        return NULL;
-    PyObject *hi = PyNumber_Rshift(args[3], k64);
-    if (hi == NULL)
-        return NULL;
-    int err = arg_u64(hi, &trace_hi);
-    Py_DECREF(hi);
-    if (err < 0)
-        return NULL;
-    long long offset = PyLong_AsLongLong(args[7]);
-    if (offset == -1 && PyErr_Occurred())
-        return NULL;
+        || arg_u64(PyTuple_GET_ITEM(plan, 2), recvq_threshold) < 0
+        || arg_u64(PyTuple_GET_ITEM(plan, 3), runq_threshold) < 0)
+        return -1;
+    in->signals = (unsigned)signals;
+    in->tlb_fallback = tlb_fallback != 0;
+    return 0;
+}
 
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
-        return NULL;
-    PyObject *result = NULL, *prefix[3] = {NULL, NULL, NULL}, *saddr = NULL, *caddr = NULL;
-    PyObject *body = NULL;
-    if (view.len < (Py_ssize_t)sizeof(struct http_record)) {
-        PyErr_SetString(PyExc_ValueError, "rec is shorter than struct http_record");
-        goto out;
-    }
-    const struct http_record *r = view.buf;
-    unsigned on = (unsigned)signals;
+/* The record's server span body (new bytes); Py_None (new ref) when a value is beyond int64 (the
+ * Python path writes it); NULL with an exception set. */
+static PyObject *write_span(const struct http_record *r, PyObject *const prefix[3],
+                            const struct span_in *in)
+{
+    PyObject *pre = prefix[0], *mo = prefix[1], *rpc = prefix[2];
+    unsigned on = in->signals;
     int tracked = (on & SIGM_WORKSET) && (r->ws_flags & WSF_TRACKED);
-    if (tracked && (on & SIGM_CUDA) && (r->ws_flags & WSF_CUDA)) {
-        result = Py_NewRef(Py_None); /* CUDA sums: the Python path */
-        goto out;
-    }
     int h2 = !!(r->h2_flags & H2F_STREAM);
     int grpc = h2 && r->grpc_status; /* spans.grpc_status_code: grpc-status + 1, 0: none */
     unsigned grpc_code = grpc ? (unsigned)r->grpc_status - 1 : 0;
-    if (request_prefix(r, grpc, prefixes, make, prefix) < 0)
-        goto out;
-    PyObject *pre = prefix[0], *mo = prefix[1], *rpc = prefix[2];
-    uint64_t lport = 0, rport = 0;
-    if (ep != Py_None) {
-        int got = endpoint(ep, "local_addr", "local_port", args[9], &saddr, &lport);
-        if (got == 0)
-            got = endpoint(ep, "peer_addr", "peer_port", args[10], &caddr, &rport);
-        if (got < 0)
-            goto out;
-        if (got > 0) {
-            result = Py_NewRef(Py_None);
-            goto out;
-        }
-    }
     Py_ssize_t given = PyBytes_GET_SIZE(pre) + PyBytes_GET_SIZE(mo) + PyBytes_GET_SIZE(rpc)
-                       + PyBytes_GET_SIZE(extra)
-                       + PyBytes_GET_SIZE(gpu) + (saddr ? PyBytes_GET_SIZE(saddr) : 0)
-                       + (caddr ? PyBytes_GET_SIZE(caddr) : 0);
-    body = PyBytes_FromStringAndSize(NULL, given + OWN_BYTES_MAX); /* cut to size below */
+                       + PyBytes_GET_SIZE(in->extra) + PyBytes_GET_SIZE(in->gpu)
+                       + (in->saddr ? PyBytes_GET_SIZE(in->saddr) : 0)
+                       + (in->caddr ? PyBytes_GET_SIZE(in->caddr) : 0);
+    PyObject *body = PyBytes_FromStringAndSize(NULL, given + OWN_BYTES_MAX); /* cut below */
     if (body == NULL)
-        goto out;
+        return NULL;
     char *p = PyBytes_AS_STRING(body);
     int beyond = 0;
 
     /* ids, times, flags (otlp_wire.span_head) */
     uint64_t arrival = r->arrival_ns, read = r->read_ns;
     int queued = 0 < arrival && arrival <= read;
-    uint64_t start = (queued ? arrival : read) + (uint64_t)offset;
-    uint64_t end = (r->end_ns > read ? r->end_ns : read) + (uint64_t)offset;
+    uint64_t start = (queued ? arrival : read) + in->offset;
+    uint64_t end = (r->end_ns > read ? r->end_ns : read) + in->offset;
     *p++ = 0x0a;
     *p++ = 0x10;
-    p = put_u64_be(p, trace_hi);
-    p = put_u64_be(p, trace_lo);
+    p = put_u64_be(p, in->trace_hi);
+    p = put_u64_be(p, in->trace_lo);
     *p++ = 0x12;
     *p++ = 0x08;
-    p = put_u64_be(p, span_id);
-    if (parent_id) {
+    p = put_u64_be(p, in->span_id);
+    if (in->parent_id) {
         *p++ = 0x22;
         *p++ = 0x08;
-        p = put_u64_be(p, parent_id);
+        p = put_u64_be(p, in->parent_id);
     }
     *p++ = 0x39;
     p = put_u64_le(p, start);
@@ -502,7 +461,7 @@ static PyObject *server_span(PyObject *self, PyObject *const *args, Py_ssize_t n
     p = put_u64_le(p, end);
     *p++ = (char)0x85;
     *p++ = 0x01;
-    *p++ = (char)(trace_flags & 0xff);
+    *p++ = (char)(in->trace_flags & 0xff);
     *p++ = 0;
     *p++ = 0;
     *p++ = 0;
@@ -531,13 +490,13 @@ static PyObject *server_span(PyObject *self, PyObject *const *args, Py_ssize_t n
         }
         p = put_bytes(p, rpc); /* rpc.service, rpc.method: b"" unless a gRPC call */
     }
-    if (saddr != NULL) {
-        p = put_bytes(p, saddr);
-        INT_ATTR("server.port", lport);
-        p = put_bytes(p, caddr);
-        INT_ATTR("client.port", rport);
+    if (in->saddr != NULL) {
+        p = put_bytes(p, in->saddr);
+        INT_ATTR("server.port", in->lport);
+        p = put_bytes(p, in->caddr);
+        INT_ATTR("client.port", in->rport);
     }
-    p = put_bytes(p, extra);
+    p = put_bytes(p, in->extra);
     if (r->flags & REQF_PATH_TRUNC)
         TRUE_ATTR("tracejoin.http.path_truncated");
     if (queued && (on & SIGM_RECVQ))
@@ -566,7 +525,7 @@ static PyObject *server_span(PyObject *self, PyObject *const *args, Py_ssize_t n
         INT_ATTR("tracejoin.mm.major_faults", r->majflt);
     }
     /* spans._tlb_names: what the two TLB values are, when measured */
-    int tlb_hw = !!(r->flags & REQF_TLB_HW), tlb = tlb_hw || tlb_fallback;
+    int tlb_hw = !!(r->flags & REQF_TLB_HW), tlb = tlb_hw || in->tlb_fallback;
     if (measured && tlb_hw) {
         INT_ATTR("tracejoin.tlb.dtlb_load_misses", r->tlb_a);
         INT_ATTR("tracejoin.tlb.itlb_load_misses", r->tlb_b);
@@ -614,7 +573,7 @@ static PyObject *server_span(PyObject *self, PyObject *const *args, Py_ssize_t n
     }
     if (r->flags & REQF_RESP_UNTERM)
         TRUE_ATTR("tracejoin.http.response_unframed");
-    p = put_bytes(p, gpu);
+    p = put_bytes(p, in->gpu);
     /* spans.server_status: no response, a 5xx, a gRPC code a server reports as its own error, or
      * (without a grpc-status) a stream reset or refused */
     const char *grpc_error = grpc ? grpc_server_error(grpc_code) : NULL;
@@ -630,27 +589,368 @@ static PyObject *server_span(PyObject *self, PyObject *const *args, Py_ssize_t n
         p = put_error_status(p, msg, (size_t)n);
     }
     if (beyond) {
+        Py_DECREF(body);
+        Py_RETURN_NONE;
+    }
+    if (_PyBytes_Resize(&body, p - PyBytes_AS_STRING(body)) < 0)
+        return NULL; /* body is NULL now */
+    return body;
+}
+
+/* Whether this record's spans are past server_span: CUDA sums are the Python path's. */
+static int cuda_sums(const struct http_record *r, unsigned on)
+{
+    return (on & SIGM_WORKSET) && (on & SIGM_CUDA) && (r->ws_flags & WSF_TRACKED)
+           && (r->ws_flags & WSF_CUDA);
+}
+
+/* server_span(rec, prefixes, make_prefix, trace_id, span_id, parent_id, trace_flags,
+ *             clock_offset_ns, endpoints, server_addr, client_addr, extra, gpu, plan)
+ *   rec: the decoded HttpRecord (any buffer of the struct's size);
+ *   prefixes, make_prefix: see request_prefix (one dict per span kind: the name differs);
+ *   endpoints: None or an object with local_addr, local_port, peer_addr, peer_port;
+ *   server_addr, client_addr: str -> that attribute's field (bytes);
+ *   extra: the fields from tracejoin.service_name.source to .traceparent.rejected;
+ *   gpu: the tracejoin.gpu.* fields; plan: (signal bits, TLB flush fallback, recvq child
+ *   threshold ns, runq child threshold ns).
+ * -> (body, whether child spans may follow), or None: take the Python path. */
+static PyObject *server_span(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 14) {
+        PyErr_Format(PyExc_TypeError, "server_span takes 14 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *prefixes = args[1], *make = args[2], *ep = args[8];
+    struct span_in in = {.extra = args[11], .gpu = args[12]};
+    uint64_t recvq_threshold, runq_threshold;
+    if (!PyDict_CheckExact(prefixes)) {
+        PyErr_SetString(PyExc_TypeError, "prefixes must be a dict");
+        return NULL;
+    }
+    if (plan_arg(args[13], &in, &recvq_threshold, &runq_threshold) < 0)
+        return NULL;
+    if (arg_bytes(in.extra, "extra") < 0 || arg_bytes(in.gpu, "gpu") < 0)
+        return NULL;
+    if (arg_u64(args[3], &in.trace_lo) < 0 || arg_u64(args[4], &in.span_id) < 0
+        || arg_u64(args[5], &in.parent_id) < 0 || arg_u64(args[6], &in.trace_flags) < 0)
+        return NULL;
+    PyObject *hi = PyNumber_Rshift(args[3], k64);
+    if (hi == NULL)
+        return NULL;
+    int err = arg_u64(hi, &in.trace_hi);
+    Py_DECREF(hi);
+    if (err < 0)
+        return NULL;
+    long long offset = PyLong_AsLongLong(args[7]);
+    if (offset == -1 && PyErr_Occurred())
+        return NULL;
+    in.offset = (uint64_t)offset;
+
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *result = NULL, *prefix[3] = {NULL, NULL, NULL}, *body = NULL;
+    if (view.len < (Py_ssize_t)sizeof(struct http_record)) {
+        PyErr_SetString(PyExc_ValueError, "rec is shorter than struct http_record");
+        goto out;
+    }
+    const struct http_record *r = view.buf;
+    if (cuda_sums(r, in.signals)) {
         result = Py_NewRef(Py_None);
         goto out;
     }
-    if (_PyBytes_Resize(&body, p - PyBytes_AS_STRING(body)) < 0)
-        goto out; /* body is NULL now */
-    int children = needs_children(r, on, queued, tracked, recvq_threshold, runq_threshold);
+    int grpc = (r->h2_flags & H2F_STREAM) && r->grpc_status;
+    if (request_prefix(r, grpc, prefixes, make, prefix) < 0)
+        goto out;
+    if (ep != Py_None) {
+        int got = endpoint(ep, "local_addr", "local_port", args[9], &in.saddr, &in.lport);
+        if (got == 0)
+            got = endpoint(ep, "peer_addr", "peer_port", args[10], &in.caddr, &in.rport);
+        if (got < 0)
+            goto out;
+        if (got > 0) {
+            result = Py_NewRef(Py_None);
+            goto out;
+        }
+    }
+    body = write_span(r, prefix, &in);
+    if (body == NULL || body == Py_None) {
+        result = body;
+        body = NULL;
+        goto out;
+    }
+    uint64_t arrival = r->arrival_ns;
+    int queued = 0 < arrival && arrival <= r->read_ns;
+    int tracked = (in.signals & SIGM_WORKSET) && (r->ws_flags & WSF_TRACKED);
+    int children
+        = needs_children(r, in.signals, queued, tracked, recvq_threshold, runq_threshold);
     result = PyTuple_Pack(2, body, children ? Py_True : Py_False);
 out:
     Py_XDECREF(body);
     for (int i = 0; i < 3; i++)
         Py_XDECREF(prefix[i]);
-    Py_XDECREF(saddr);
-    Py_XDECREF(caddr);
+    Py_XDECREF(in.saddr);
+    Py_XDECREF(in.caddr);
     PyBuffer_Release(&view);
     return result;
+}
+
+/* ---- spans_batch ---------------------------------------------------------------------- */
+
+#define CONN_CACHE_MAX 65536 /* connections' address fields kept (cleared when full) */
+#define PID_MEMO 8           /* processes resolved once per batch */
+
+struct batch_ctx {
+    PyObject *prefixes[2], *makers[2]; /* by span kind: [0] SERVER, [1] INTERNAL (instrumented) */
+    PyObject *resolve, *conns, *conn_fields, *span_type, *gpu;
+    const unsigned char *ids;
+    struct span_in in;
+    uint64_t recvq_threshold, runq_threshold;
+    int npids;
+    uint32_t pids[PID_MEMO];
+    PyObject *served[PID_MEMO]; /* resolve(pid)'s answer (None: the stages' to make) */
+};
+
+/* resolve(pid), once per pid per batch (the resolver memoizes across batches): borrowed from
+ * the context, NULL with an exception set. */
+static PyObject *served_for(struct batch_ctx *c, uint32_t pid)
+{
+    for (int i = 0; i < c->npids; i++)
+        if (c->pids[i] == pid)
+            return c->served[i];
+    PyObject *got = PyObject_CallFunction(c->resolve, "I", (unsigned)pid);
+    if (got == NULL)
+        return NULL;
+    if (got != Py_None
+        && (!PyTuple_CheckExact(got) || PyTuple_GET_SIZE(got) != 3
+            || !PyBytes_CheckExact(PyTuple_GET_ITEM(got, 1)))) {
+        Py_DECREF(got);
+        PyErr_SetString(PyExc_TypeError, "resolve must return (resource, bytes, bool) or None");
+        return NULL;
+    }
+    if (c->npids == PID_MEMO) { /* more processes than that in one batch: forget the first */
+        Py_DECREF(c->served[0]);
+        memmove(c->pids, c->pids + 1, (PID_MEMO - 1) * sizeof(c->pids[0]));
+        memmove(c->served, c->served + 1, (PID_MEMO - 1) * sizeof(c->served[0]));
+        c->npids--;
+    }
+    c->pids[c->npids] = pid;
+    c->served[c->npids++] = got;
+    return got;
+}
+
+/* The connection's (server.address field, client.address field), kept per conn_id: a new ref,
+ * NULL with an exception set. */
+static PyObject *conn_addresses(struct batch_ctx *c, const struct http_record *r)
+{
+    PyObject *key = PyLong_FromUnsignedLongLong(r->conn_id);
+    if (key == NULL)
+        return NULL;
+    PyObject *got = r->conn_id ? PyDict_GetItemWithError(c->conns, key) : NULL;
+    if (got != NULL) {
+        Py_DECREF(key);
+        return Py_NewRef(got);
+    }
+    if (PyErr_Occurred())
+        goto fail;
+    got = PyObject_CallFunction(c->conn_fields, "By#y#", (unsigned char)r->family,
+                                (const char *)r->laddr, (Py_ssize_t)sizeof(r->laddr),
+                                (const char *)r->raddr, (Py_ssize_t)sizeof(r->raddr));
+    if (got == NULL)
+        goto fail;
+    if (!PyTuple_CheckExact(got) || PyTuple_GET_SIZE(got) != 2
+        || !PyBytes_CheckExact(PyTuple_GET_ITEM(got, 0))
+        || !PyBytes_CheckExact(PyTuple_GET_ITEM(got, 1))) {
+        Py_DECREF(got);
+        PyErr_SetString(PyExc_TypeError, "conn_fields must return (bytes, bytes)");
+        goto fail;
+    }
+    if (r->conn_id) { /* 0: the kernel could not number it */
+        if (PyDict_GET_SIZE(c->conns) >= CONN_CACHE_MAX)
+            PyDict_Clear(c->conns);
+        if (PyDict_SetItem(c->conns, key, got) < 0) {
+            Py_DECREF(got);
+            goto fail;
+        }
+    }
+    Py_DECREF(key);
+    return got;
+fail:
+    Py_DECREF(key);
+    return NULL;
+}
+
+/* One ring record -> its server span (an instance of span_type: resource, body), appended to
+ * spans. 0: written; 1: not the common case, left to the stages; -1: an exception is set.
+ * The common case: an HTTP/1.x or HTTP/2 record that decode_http reads as it is (long enough,
+ * no Huffman-coded value to decode, no CUDA sums), one plain sampled version-00 traceparent,
+ * the tuple carried, no child span to make, and a process the resolver answers for. */
+static int batch_record(struct batch_ctx *c, PyObject *item, Py_ssize_t i, PyObject *spans,
+                        struct http_record *r)
+{
+    if (!PyBytes_CheckExact(item))
+        return 1;
+    Py_ssize_t len = PyBytes_GET_SIZE(item);
+    const char *data = PyBytes_AS_STRING(item);
+    if (len < (Py_ssize_t)REC_HTTP_FIXED_SIZE || data[0] != REC_HTTP)
+        return 1;
+    size_t n = (size_t)len < sizeof(*r) ? (size_t)len : sizeof(*r);
+    memcpy(r, data, n);
+    memset((char *)r + n, 0, sizeof(*r) - n);
+    unsigned nslots = r->ws_nslots < WS_SLOTS ? r->ws_nslots : WS_SLOTS;
+    if (n < REC_HTTP_FIXED_SIZE + nslots * sizeof(r->members[0]))
+        return 1; /* short: the stages count it */
+    if ((r->ws_flags & WSF_CUDA) || (r->h2_flags & (H2F_TP_HUFF | H2F_PATH_HUFF | H2F_METHOD_HUFF))
+        || !(r->flags & REQF_TUPLE))
+        return 1;
+    struct span_in in = c->in;
+    if (!plain_traceparent_ids(r, &in.trace_hi, &in.trace_lo, &in.parent_id, &in.trace_flags)
+        || !(in.trace_flags & 0x01))
+        return 1; /* every other traceparent (and its counters) is correlate's */
+    int queued = 0 < r->arrival_ns && r->arrival_ns <= r->read_ns;
+    int tracked = (in.signals & SIGM_WORKSET) && (r->ws_flags & WSF_TRACKED);
+    if (needs_children(r, in.signals, queued, tracked, c->recvq_threshold, c->runq_threshold))
+        return 1;
+    memcpy(&in.span_id, c->ids + 8 * i, 8);
+    if (in.span_id == 0)
+        return 1;
+    PyObject *served = served_for(c, r->pid); /* borrowed */
+    if (served == NULL)
+        return -1;
+    if (served == Py_None)
+        return 1;
+    int kind = PyObject_IsTrue(PyTuple_GET_ITEM(served, 2));
+    if (kind < 0)
+        return -1;
+    in.extra = PyTuple_GET_ITEM(served, 1);
+    PyObject *addrs = conn_addresses(c, r);
+    if (addrs == NULL)
+        return -1;
+    in.saddr = PyTuple_GET_ITEM(addrs, 0);
+    in.caddr = PyTuple_GET_ITEM(addrs, 1);
+    in.lport = r->lport;
+    in.rport = r->rport;
+    PyObject *prefix[3] = {NULL, NULL, NULL}, *body = NULL, *span = NULL;
+    int rc = -1;
+    int grpc = (r->h2_flags & H2F_STREAM) && r->grpc_status;
+    if (request_prefix(r, grpc, c->prefixes[kind], c->makers[kind], prefix) < 0)
+        goto out;
+    body = write_span(r, prefix, &in);
+    if (body == NULL)
+        goto out;
+    if (body == Py_None) { /* a value beyond int64: the Python path writes it */
+        rc = 1;
+        goto out;
+    }
+    span = PyType_GenericAlloc((PyTypeObject *)c->span_type, 2);
+    if (span == NULL)
+        goto out;
+    PyTuple_SET_ITEM(span, 0, Py_NewRef(PyTuple_GET_ITEM(served, 0)));
+    PyTuple_SET_ITEM(span, 1, body);
+    body = NULL;
+    rc = PyList_Append(spans, span) < 0 ? -1 : 0;
+out:
+    Py_XDECREF(span);
+    Py_XDECREF(body);
+    for (int k = 0; k < 3; k++)
+        Py_XDECREF(prefix[k]);
+    Py_DECREF(addrs);
+    return rc;
+}
+
+/* spans_batch(records, spans, rest, prefixes, makers, resolve, conns, conn_fields, span_type,
+ *             clock_offset_ns, ids, plan)
+ *   records: the ring's records (bytes); spans: list the common records' server spans are
+ *   appended to; rest: list every other record is appended to, in order, for the stages;
+ *   prefixes, makers: (SERVER, INTERNAL) pairs of request_prefix's dict and maker;
+ *   resolve(pid) -> (resource, extra fields, instrumented) or None (the stages make its spans);
+ *   conns: dict conn_id -> conn_fields' answer, kept here;
+ *   conn_fields(family, laddr, raddr) -> (server.address field, client.address field);
+ *   span_type: EncodedSpan (a 2-tuple type: resource, body); ids: 8 random bytes per record,
+ *   its span id; plan: as server_span's.
+ * -> the number of spans appended. */
+static PyObject *spans_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 12) {
+        PyErr_Format(PyExc_TypeError, "spans_batch takes 12 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *records = args[0], *spans = args[1], *rest = args[2], *prefixes = args[3],
+             *makers = args[4], *ids = args[10];
+    struct batch_ctx c = {
+        .resolve = args[5], .conns = args[6], .conn_fields = args[7], .span_type = args[8],
+    };
+    if (!PyList_CheckExact(records) || !PyList_CheckExact(spans) || !PyList_CheckExact(rest)) {
+        PyErr_SetString(PyExc_TypeError, "records, spans and rest must be lists");
+        return NULL;
+    }
+    if (!PyTuple_CheckExact(prefixes) || PyTuple_GET_SIZE(prefixes) != 2
+        || !PyTuple_CheckExact(makers) || PyTuple_GET_SIZE(makers) != 2) {
+        PyErr_SetString(PyExc_TypeError, "prefixes and makers must be pairs");
+        return NULL;
+    }
+    for (int k = 0; k < 2; k++) {
+        c.prefixes[k] = PyTuple_GET_ITEM(prefixes, k);
+        c.makers[k] = PyTuple_GET_ITEM(makers, k);
+        if (!PyDict_CheckExact(c.prefixes[k])) {
+            PyErr_SetString(PyExc_TypeError, "prefixes must be dicts");
+            return NULL;
+        }
+    }
+    if (!PyDict_CheckExact(c.conns)) {
+        PyErr_SetString(PyExc_TypeError, "conns must be a dict");
+        return NULL;
+    }
+    if (!PyType_Check(c.span_type)
+        || !PyType_IsSubtype((PyTypeObject *)c.span_type, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "span_type must be a tuple type");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(records);
+    if (!PyBytes_CheckExact(ids) || PyBytes_GET_SIZE(ids) < 8 * n) {
+        PyErr_SetString(PyExc_ValueError, "ids must be bytes, 8 per record");
+        return NULL;
+    }
+    c.ids = (const unsigned char *)PyBytes_AS_STRING(ids);
+    long long offset = PyLong_AsLongLong(args[9]);
+    if (offset == -1 && PyErr_Occurred())
+        return NULL;
+    c.in.offset = (uint64_t)offset;
+    c.in.gpu = PyBytes_FromStringAndSize(NULL, 0);
+    if (c.in.gpu == NULL)
+        return NULL;
+    if (plan_arg(args[11], &c.in, &c.recvq_threshold, &c.runq_threshold) < 0) {
+        Py_DECREF(c.in.gpu);
+        return NULL;
+    }
+    struct http_record *r = PyMem_Malloc(sizeof(*r));
+    Py_ssize_t written = 0;
+    int rc = r == NULL ? -1 : 0;
+    if (r == NULL)
+        PyErr_NoMemory();
+    for (Py_ssize_t i = 0; rc >= 0 && i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(records, i);
+        rc = batch_record(&c, item, i, spans, r);
+        if (rc == 0)
+            written++;
+        else if (rc == 1 && PyList_Append(rest, item) < 0)
+            rc = -1;
+    }
+    PyMem_Free(r);
+    Py_DECREF(c.in.gpu);
+    for (int k = 0; k < c.npids; k++)
+        Py_DECREF(c.served[k]);
+    return rc < 0 ? NULL : PyLong_FromSsize_t(written);
 }
 
 static PyMethodDef methods[] = {
     {"join", join, METH_O, "The parts of one OTLP Span message -> its bytes (see span_bytes)."},
     {"server_span", (PyCFunction)(void (*)(void))server_span, METH_FASTCALL,
      "A record's server span -> (bytes, children may follow), or None (see span_bytes)."},
+    {"spans_batch", (PyCFunction)(void (*)(void))spans_batch, METH_FASTCALL,
+     "A batch of ring records -> the common ones' server spans; the rest left (see span_bytes)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -26,6 +26,7 @@ holds it to them).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from functools import partial
 
@@ -35,6 +36,8 @@ from tracejoin.core.model import (
     STATUS_UNSET,
     AttrValue,
     EncodedSpan,
+    ExportSpan,
+    Resource,
     Span,
 )
 from tracejoin.core.otlp_wire import (
@@ -57,7 +60,8 @@ from tracejoin.core.otlp_wire import (
 )
 from tracejoin.core.record import H2F_STREAM, H2F_UNRESOLVED, WSF_CAP, WSF_NO_GAP, WSF_STATS
 from tracejoin.core.text import http_method, url_path
-from tracejoin.enrich.enricher import EnrichedRecord
+from tracejoin.enrich.correlate import carried_addresses
+from tracejoin.enrich.enricher import EnrichedRecord, Enricher
 from tracejoin.kernel.decode import (
     REQF_FIRST_ON_CONN,
     REQF_PATH_TRUNC,
@@ -136,24 +140,29 @@ def _join_py(parts: list[bytes | int]) -> bytes:
 try:  # compiled where a C compiler was, at install: the same bytes, faster
     from tracejoin.pipeline._span_bytes import join as _join_c
     from tracejoin.pipeline._span_bytes import server_span as _server_span_c
+    from tracejoin.pipeline._span_bytes import spans_batch as _spans_batch_c
 except ImportError:  # pragma: no cover - the pure-Python fallback, under the same tests
-    _join_c = _server_span_c = None
+    _join_c = _server_span_c = _spans_batch_c = None
 
 _join: Callable[[list[bytes | int]], bytes] = _join_c or _join_py
 _server_span = _server_span_c  # None: every span takes _encode_py (tests and bench switch it)
+_spans_batch = _spans_batch_c  # None: every record goes through the stages (BatchWriter)
 COMPILED = _server_span_c is not None  # which one encode_spans uses (bench, doctor)
-ENCODERS = ("compiled", "join", "python")
+ENCODERS = ("compiled", "server_span", "join", "python")
 
 
 def use_encoder(which: str) -> None:
-    """For the bench: "compiled" (as installed), "join" (the Python encoder on the compiled join,
-    the path before server_span) or "python" (an install without a C compiler)."""
-    global _server_span, _join
+    """For the bench and tests: "compiled" (as installed: the batch writer, and server_span for
+    the records it leaves), "server_span" (every record through the stages, its server span
+    compiled: the path before the batch writer), "join" (the Python encoder on the compiled
+    join) or "python" (an install without a C compiler)."""
+    global _server_span, _spans_batch, _join
     if which not in ENCODERS:
         raise ValueError(f"encoder {which!r}: one of {', '.join(ENCODERS)}")
     if which != "python" and not COMPILED:
         raise RuntimeError("_span_bytes.c was not built (gcc, python3-dev: scripts/setup.sh)")
-    _server_span = _server_span_c if which == "compiled" else None
+    _spans_batch = _spans_batch_c if which == "compiled" else None
+    _server_span = _server_span_c if which in ("compiled", "server_span") else None
     _join = _join_c if which != "python" else _join_py
 
 
@@ -475,18 +484,22 @@ def _plan(opts: SpanOptions) -> tuple[int, int, int, int]:
 
 
 def _extra_fields(e: EnrichedRecord) -> bytes:
+    return extra_fields(e.service_name_source, e.instrumented, e.rejected)
+
+
+def extra_fields(source: str | None, instrumented: str | None, rejected: str | None) -> bytes:
     """tracejoin.service_name.source, .instrumented.source and .traceparent.rejected: per process
     (and rejection reason), so cached together."""
-    key = (e.service_name_source, e.instrumented, e.rejected)
+    key = (source, instrumented, rejected)
     got = _extras.get(key)
     if got is None:
         parts = []
-        if e.service_name_source:
-            parts.append(_SERVICE_SOURCE(e.service_name_source))
-        if e.instrumented:
-            parts.append(_INSTRUMENTED(e.instrumented))
-        if e.rejected is not None:
-            parts.append(_REJECTED(e.rejected))
+        if source:
+            parts.append(_SERVICE_SOURCE(source))
+        if instrumented:
+            parts.append(_INSTRUMENTED(instrumented))
+        if rejected is not None:
+            parts.append(_REJECTED(rejected))
         got = b"".join(parts)
         if len(_extras) >= _CACHE_MAX:
             _extras.clear()
@@ -540,3 +553,58 @@ def encode_spans(
         )
         out += child_spans(e, parent, opts, new_id)
     return out
+
+
+class BatchWriter:
+    """The common request's server span straight from the ring's bytes, a batch in one C call
+    (_span_bytes.c spans_batch): what decode, enrich and encode_spans would make of it, with no
+    Python object per record but the span. The common request is an HTTP/1.x or HTTP/2 record
+    that decodes as it is, with one plain sampled version-00 traceparent, its tuple carried, no
+    child span and no GPU join; every other record is returned for the stages, which stay the
+    reference (tests/test_span_bytes.py compares the two). The process's resource and naming are
+    the enricher's (once per pid a batch), the clock offset its clock's (once a batch)."""
+
+    def __init__(self, enricher: Enricher, opts: SpanOptions) -> None:
+        self.enricher = enricher
+        self.opts = opts
+        self._conns: dict[int, tuple[bytes, bytes]] = {}
+        self._prefixes = (_PREFIXES[False][0], _PREFIXES[True][0])
+        self._makers = (_PREFIXES[False][1], _PREFIXES[True][1])
+
+    @staticmethod
+    def available() -> bool:
+        return _spans_batch is not None
+
+    def _resolve(self, pid: int) -> tuple[Resource, bytes, bool]:
+        served = self.enricher.served(pid)
+        extra = extra_fields(served.service_name_source or None, served.instrumented, None)
+        return served.resource, extra, bool(served.instrumented)
+
+    @staticmethod
+    def _conn_fields(family: int, laddr: bytes, raddr: bytes) -> tuple[bytes, bytes]:
+        local, peer = carried_addresses(family, laddr, raddr)
+        return _SERVER_ADDR(local), _CLIENT_ADDR(peer)
+
+    def write(self, records: list[bytes], spans: list[ExportSpan]) -> list[bytes]:
+        """Appends the common records' spans to `spans`; returns the others, in order. When it
+        raises, nothing was appended."""
+        if _spans_batch is None:
+            return records
+        rest: list[bytes] = []
+        mine: list[ExportSpan] = []
+        _spans_batch(
+            records,
+            mine,
+            rest,
+            self._prefixes,
+            self._makers,
+            self._resolve,
+            self._conns,
+            self._conn_fields,
+            EncodedSpan,
+            self.enricher.clock.offset_ns(),
+            os.urandom(8 * len(records)),
+            _plan(self.opts),
+        )
+        spans += mine
+        return rest

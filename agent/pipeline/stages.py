@@ -26,7 +26,7 @@ from tracejoin.core.model import AttrValue, ExportSpan, Span
 from tracejoin.enrich.enricher import EnrichedRecord, Enricher
 from tracejoin.kernel.decode import HttpRecord, RecordDecoder
 from tracejoin.kernel.probes import ProbeStatus
-from tracejoin.pipeline.span_bytes import encode_spans
+from tracejoin.pipeline.span_bytes import BatchWriter, encode_spans
 from tracejoin.pipeline.spans import SpanOptions, build_spans
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,13 @@ class Pipeline:
             and not self.observers
             and all(getattr(d, "accepts_encoded", False) for d in self.destinations)
         )
+        # The common record's server span from the ring's bytes in one C call per batch, where
+        # it was compiled and the stages would make nothing more of it (no GPU join)
+        self.batch_writer: BatchWriter | None = (
+            BatchWriter(enricher, span_options)
+            if self.encode and gpu_hold is None and BatchWriter.available()
+            else None
+        )
         self._stop = threading.Event()
         self._paused = threading.Event()
         # pauses asked for, and the last one the reader saw (it polls no more until resumed)
@@ -196,6 +203,14 @@ class Pipeline:
             return
         self.metrics.inc("records_received", len(batch))
         self.metrics.inc("record_batches")
+        written: list[ExportSpan] = []
+        if self.batch_writer is not None:
+            try:
+                batch = self.batch_writer.write(batch, written)
+            except Exception:  # a bug there must lose nothing: the stages take every record
+                log.exception("the batch span writer failed; the stages write every span now")
+                self.metrics.inc("reader_errors")
+                self.batch_writer = None
         ready: list[EnrichedRecord] = []
         undecodable = failed = 0
         decode, enrich = self.decoder.decode, self.enricher.enrich
@@ -222,12 +237,13 @@ class Pipeline:
             self.metrics.inc("records_dropped_userspace", failed, reason="build_error")
         if self.gpu_hold is not None:
             ready += self.gpu_hold.release()
-        self._emit_all(ready)
+        self._emit_all(ready, written)
 
-    def _emit_all(self, records: list[EnrichedRecord]) -> None:
-        if not records:
+    def _emit_all(self, records: list[EnrichedRecord], out: list[ExportSpan] | None = None) -> None:
+        """Spans for `records`, sent with those already in `out`."""
+        out = [] if out is None else out
+        if not records and not out:
             return
-        out: list[ExportSpan] = []
         failed = 0
         observed: list[tuple[list[Span], HttpRecord]] = []
         opts, new_id = self.span_options, self.enricher.new_id
