@@ -230,8 +230,9 @@ BATCH = 100  # records a batch-writer call in the replay (a wake-up's worth at 1
 def replay(records: list[bytes], opts: SpanOptions | None = None) -> dict[str, float]:
     """decode, enrich and encode_spans over recorded live records, each stage over all of them
     in turn, best of 5: CPU µs per record; then the batch writer over the same records (the
-    stages' sum is what it replaces for those it writes). The same records every run, so a change to a stage
-    can be measured without the live agent's noise (the load generator shares its CPU)."""
+    stages' sum is what it replaces for those it writes). The same records every run, so a
+    change to a stage can be measured without the live agent's noise (the load generator shares
+    its CPU)."""
     metrics = Metrics()
     decoder = RecordDecoder(metrics)
     resource = Resource((("service.name", "bench"), ("process.executable.name", "goserver")))
