@@ -550,6 +550,31 @@ def test_tcp_tables_are_read_again_only_after_a_connection_to_an_otlp_port(
     assert m.get("otlp_tables_read") == 2
 
 
+def test_the_agents_own_namespace_is_read_as_it_starts(tmp_path: Path) -> None:
+    """read_own_namespace (at start) reads the tables of the agent's network namespace; a served
+    process in that namespace is then inspected without reading them again, and still found
+    connected to its collector."""
+    m = Metrics()
+    proc = fake_proc(tmp_path / "p", otlp_port=4317)
+    own = tmp_path / "p" / str(os.getpid())
+    shutil.copytree(tmp_path / "p" / str(SERVER_PID), own, symlinks=True)
+    inspector = ProcessInspector(m, proc=proc, otlp_connects=lambda: 1)
+    inspector.read_own_namespace()
+    assert m.get("otlp_tables_read") == 1
+    got = inspector.get((SERVER_PID, START))
+    assert got is not None and got.otlp_connected
+    assert m.get("otlp_tables_read") == 1
+    # another namespace is read on its first look, as before
+    (tmp_path / "p" / str(SERVER_PID) / "ns" / "net").unlink()
+    (tmp_path / "p" / str(SERVER_PID) / "ns" / "net").symlink_to("net:[4026532001]")
+    got = inspector.get((SERVER_PID, START + 1))
+    assert got is not None and got.otlp_connected
+    assert m.get("otlp_tables_read") == 2
+    off = Metrics()
+    ProcessInspector(off, proc=proc, check_otlp=False).read_own_namespace()
+    assert off.get("otlp_tables_read") == 0
+
+
 def test_perfetto_draws_the_kernel_span_as_the_request() -> None:
     from tracejoin.core.model import Resource
     from tracejoin.exporters.perfetto import TraceEventEncoder

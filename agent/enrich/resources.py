@@ -241,9 +241,11 @@ class ResourceResolver:
         self._cache: OrderedDict[int, _Entry] = OrderedDict()
 
     def start(self, sync_timeout_s: float = SYNC_TIMEOUT_S) -> None:
-        """Start the kubelet refresher; waits up to `sync_timeout_s` for the first pod list, so
+        """Read the agent's own network namespace's OTLP connections and start the inspector;
+        start the kubelet refresher and wait up to `sync_timeout_s` for the first pod list, so
         the pods already on the node are named from the first span (start-up, not a reader)."""
         if self.inspector is not None:
+            self.inspector.read_own_namespace()
             self.inspector.start()
         if self.pods is not None:
             self.pods.start(sync_timeout_s)
