@@ -432,10 +432,20 @@ static PyObject *write_span(const struct http_record *r, PyObject *const prefix[
                        + PyBytes_GET_SIZE(in->extra) + PyBytes_GET_SIZE(in->gpu)
                        + (in->saddr ? PyBytes_GET_SIZE(in->saddr) : 0)
                        + (in->caddr ? PyBytes_GET_SIZE(in->caddr) : 0);
-    PyObject *body = PyBytes_FromStringAndSize(NULL, given + OWN_BYTES_MAX); /* cut below */
-    if (body == NULL)
-        return NULL;
-    char *p = PyBytes_AS_STRING(body);
+    /* Written in a scratch buffer, then copied into a body of its exact size: a body allocated
+     * at its upper bound and cut down after would leave the heap a gap per span. Calls hold the
+     * GIL, so one buffer serves them all. */
+    static char *scratch;
+    static size_t scratch_cap;
+    size_t need = (size_t)given + OWN_BYTES_MAX;
+    if (need > scratch_cap) {
+        char *grown = PyMem_Realloc(scratch, need);
+        if (grown == NULL)
+            return PyErr_NoMemory();
+        scratch = grown;
+        scratch_cap = need;
+    }
+    char *p = scratch;
     int beyond = 0;
 
     /* ids, times, flags (otlp_wire.span_head) */
@@ -588,13 +598,9 @@ static PyObject *write_span(const struct http_record *r, PyObject *const prefix[
         int n = snprintf(msg, sizeof(msg), "stream ended by %s", ended);
         p = put_error_status(p, msg, (size_t)n);
     }
-    if (beyond) {
-        Py_DECREF(body);
+    if (beyond)
         Py_RETURN_NONE;
-    }
-    if (_PyBytes_Resize(&body, p - PyBytes_AS_STRING(body)) < 0)
-        return NULL; /* body is NULL now */
-    return body;
+    return PyBytes_FromStringAndSize(scratch, p - scratch);
 }
 
 /* Whether this record's spans are past server_span: CUDA sums are the Python path's. */
