@@ -16,6 +16,7 @@ from tracejoin.core.metrics import Metrics
 from tracejoin.exporters.http_sender import OtlpHttpExporter
 from tracejoin.exporters.queue import BatchExportQueue
 from tracejoin.kernel.probes import HttpProbes, ProbeConfig
+from tracejoin.pipeline.spans import needs_children
 
 pytestmark = [pytest.mark.privileged, pytest.mark.e2e]
 
@@ -43,6 +44,11 @@ def otlp_only(jaeger, privileged):
 def test_a_span_over_the_object_free_path_reaches_jaeger_whole(otlp_only, jaeger):
     app, port, metrics = otlp_only
     assert app.pipeline is not None and app.pipeline.encode  # the path under test
+    # the common request's span is the batch writer's; the stages see only what it leaves
+    assert app.pipeline.batch_writer is not None
+    staged: list[object] = []
+    enrich = app.pipeline.enricher.enrich
+    app.pipeline.enricher.enrich = lambda rec: staged.append(rec) or enrich(rec)  # type: ignore[method-assign]
     tp, trace_id, parent = new_traceparent()
     with server("go", port):
         subprocess.run(
@@ -66,3 +72,31 @@ def test_a_span_over_the_object_free_path_reaches_jaeger_whole(otlp_only, jaeger
     assert "tracejoin.tcp.receive_queue_wait_ns" in tags
     assert span["duration"] > 0
     assert metrics.total("spans_exported") >= 1
+    # the stages saw it only if it is not the common request: here, when the Go runtime woke
+    # a helper thread for it (the work set), whose child span the stages make
+    for rec in staged:
+        assert needs_children(rec, app.pipeline.span_options), rec
+
+
+def test_the_common_request_takes_the_batch_writer(otlp_only, jaeger):
+    """A server that keeps a request on its reading thread (Go on one CPU, GOMAXPROCS=1): its
+    plain requests never reach the stages, and their spans reach Jaeger in the caller's trace."""
+    app, port, _metrics = otlp_only
+    assert app.pipeline is not None
+    staged: list[object] = []
+    enrich = app.pipeline.enricher.enrich
+    app.pipeline.enricher.enrich = lambda rec: staged.append(rec) or enrich(rec)  # type: ignore[method-assign]
+    sent = [new_traceparent() for _ in range(5)]
+    with server("go", port, env={"GOMAXPROCS": "1"}, cpu=0):
+        for tp, _, _ in sent:
+            subprocess.run(
+                ["curl", "-sf", "-o", "/dev/null", "-H", f"traceparent: {tp}",
+                 f"http://127.0.0.1:{port}/items/7"],
+                check=True, timeout=10,
+            )  # fmt: skip
+        for _, trace_id, parent in sent:
+            trace = jaeger.get_trace(f"{trace_id:032x}", timeout_s=20)
+            assert the_server_span(trace, trace_id, parent)["operationName"] == "GET /items/{id}"
+    assert len(staged) < len(sent), "every request went through the stages"
+    for rec in staged:
+        assert needs_children(rec, app.pipeline.span_options), rec
