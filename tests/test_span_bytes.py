@@ -8,8 +8,10 @@ nothing observes."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 import random
+import struct
 from collections.abc import Callable
 
 import pytest
@@ -493,7 +495,9 @@ BATCH_CASES = [
 
 
 def _common(rec: HttpRecord, opts: SpanOptions) -> bool:
-    """What the batch writer must write itself (the rest is the stages')."""
+    """What the batch writer must write itself (the rest is the stages'): child spans only of
+    the work set's helpers."""
+    others = dataclasses.replace(opts, signals=opts.signals - {"workset"})
     data = bytes(rec)
     plain = correlate._plain_traceparent(rec) if correlate._plain_traceparent else None
     return (
@@ -502,15 +506,20 @@ def _common(rec: HttpRecord, opts: SpanOptions) -> bool:
         and bool(rec.flags & REQF_TUPLE)
         and not rec.ws_flags & R.WSF_CUDA
         and not rec.h2_flags & (R.H2F_TP_HUFF | R.H2F_PATH_HUFF | R.H2F_METHOD_HUFF)
-        and not span_bytes.needs_children(rec, opts)
+        and not span_bytes.needs_children(rec, others)
         and rec.conn_id <= INT64_MAX
         and rec.seq <= INT64_MAX
         and len(data) >= REC_HTTP_FIXED_SIZE
     )
 
 
+def _sequential_ids(n: int) -> bytes:
+    """os.urandom for the batch writer: SPAN_ID, SPAN_ID + 1, ... (native-endian u64s)."""
+    return b"".join(struct.pack("=Q", SPAN_ID + k) for k in range(n // 8))
+
+
 def _write_batch(writer: span_bytes.BatchWriter, data: list[bytes], monkeypatch) -> tuple:
-    monkeypatch.setattr(span_bytes.os, "urandom", lambda n: SPAN_ID.to_bytes(8, "big") * (n // 8))
+    monkeypatch.setattr(span_bytes.os, "urandom", _sequential_ids)
     spans: list = []
     rest = writer.write(data, spans)
     return spans, rest
@@ -533,23 +542,27 @@ def test_the_batch_writer_writes_what_the_stages_write(rec, served, signals, tlb
     assert decoded is not None
     e = enricher.enrich(decoded)
     assert e is not None
-    reference = build_spans(e, opts, lambda bits: SPAN_ID)
-    assert len(spans) == len(reference) == 1
-    assert isinstance(spans[0], EncodedSpan)
-    assert spans[0].resource is SERVED[served].resource
+    ids = itertools.count(SPAN_ID)  # drawn in the same order: the server span, each helper
+    reference = build_spans(e, opts, lambda bits: next(ids))
+    assert len(spans) == len(reference)
+    assert all(isinstance(s, EncodedSpan) for s in spans)
+    assert all(s.resource is SERVED[served].resource for s in spans)
     assert encode_request_bytes(spans) == encode_request_bytes(reference)
 
 
 def test_the_batch_writers_common_case_is_most_of_the_cases():
-    """_common above must not be vacuous: plain records, HTTP/2 streams, work sets and both
-    tuples are written in C; roots, rejections, children and CUDA sums are not."""
+    """_common above must not be vacuous: plain records, HTTP/2 streams, work sets with their
+    helpers and both tuples are written in C; roots, rejections, other children and CUDA sums
+    are not."""
     opts = SpanOptions(SIGNAL_SETS["workset"], recvq_child_threshold_ns=10_000_000)
     common = {name for name, rec in _batch_records() if _common(rec, opts)}
     for name in ("status 200", "http2 grpc OK", "v6 tuple", "unnumbered connection"):
         assert name in common
+    for name in ("work set shared=True", "work set shared=False", "work set, one helper"):
+        assert name in common  # the helpers' spans are the writer's too
     for name in ("root (no traceparent)", "rejected traceparent", "unsampled traceparent"):
         assert name not in common
-    assert "work set shared=True" not in common  # its helpers are child spans
+    assert "work set + CUDA shared=False" not in common
     assert "long receive-queue wait (child)" not in common
 
 
@@ -588,6 +601,7 @@ def test_the_batch_writer_bounds_its_connection_cache(monkeypatch):
 def test_the_batch_writer_rejects_what_it_cannot_read():
     c = span_bytes._spans_batch_c
     assert c is not None
+    per = span_bytes.IDS_PER_RECORD
     good = (
         [bytes(record(TP))],
         [],
@@ -599,8 +613,9 @@ def test_the_batch_writer_rejects_what_it_cannot_read():
         lambda family, laddr, raddr: (b"", b""),
         EncodedSpan,
         0,
-        bytes(8),
+        bytes(8 * per),
         span_bytes._plan(SpanOptions(frozenset())),
+        lambda reader, pid, comm: (b"", b""),
     )
     assert c(*good) == 0  # a zero span id: left to the stages
     bad = {
@@ -615,13 +630,30 @@ def test_the_batch_writer_rejects_what_it_cannot_read():
     for at, (value, exc) in bad.items():
         args = list(good)
         args[at] = value
-        args[10] = bytes([1]) * 8 if at != 10 else value
+        args[10] = bytes([1]) * 8 * per if at != 10 else value
         with pytest.raises(exc):
             c(*args)
     args = list(good)
-    args[5], args[10] = (lambda pid: 1 / 0), bytes([1]) * 8
+    args[5], args[10] = (lambda pid: 1 / 0), bytes([1]) * 8 * per
     with pytest.raises(ZeroDivisionError):  # the resolver's own error, as it is
         c(*args)
+    helped = record(TP)
+    _workset(helped, False)
+    args = list(good)
+    args[0], args[10] = [bytes(helped)], bytes([1]) * 8 * per
+    args[11] = span_bytes._plan(
+        SpanOptions(SIGNAL_SETS["workset"], recvq_child_threshold_ns=10**12)
+    )
+    for maker, exc in (
+        (lambda reader, pid, comm: (b"", "text"), TypeError),
+        (lambda reader, pid, comm: 1 / 0, ZeroDivisionError),
+    ):
+        args[12] = maker
+        with pytest.raises(exc):
+            c(*args)
+    args[1], args[2], args[12] = [], [], lambda reader, pid, comm: None
+    assert c(*args) == 0 and args[2] == [bytes(helped)]  # a helper it cannot name: the stages'
+    assert args[1] == []
 
 
 def test_the_pipeline_writes_a_mixed_batch_whole_and_survives_a_failing_writer():

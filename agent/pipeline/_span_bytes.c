@@ -417,6 +417,54 @@ static int plan_arg(PyObject *plan, struct span_in *in, uint64_t *recvq_threshol
     return 0;
 }
 
+/* A span is written in a scratch buffer, then copied into a body of its exact size: a body
+ * allocated at its upper bound and cut down after would leave the heap a gap per span. Calls
+ * hold the GIL, so one buffer serves them all. NULL with an exception set. */
+static char *scratch_for(size_t need)
+{
+    static char *scratch;
+    static size_t cap;
+    if (need > cap) {
+        char *grown = PyMem_Realloc(scratch, need);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        scratch = grown;
+        cap = need;
+    }
+    return scratch;
+}
+
+/* A Span message's ids, times and flags (otlp_wire.span_head). */
+static char *put_head(char *p, const struct span_in *in, uint64_t span_id, uint64_t parent_id,
+                      uint64_t start, uint64_t end)
+{
+    *p++ = 0x0a;
+    *p++ = 0x10;
+    p = put_u64_be(p, in->trace_hi);
+    p = put_u64_be(p, in->trace_lo);
+    *p++ = 0x12;
+    *p++ = 0x08;
+    p = put_u64_be(p, span_id);
+    if (parent_id) {
+        *p++ = 0x22;
+        *p++ = 0x08;
+        p = put_u64_be(p, parent_id);
+    }
+    *p++ = 0x39;
+    p = put_u64_le(p, start);
+    *p++ = 0x41;
+    p = put_u64_le(p, end);
+    *p++ = (char)0x85;
+    *p++ = 0x01;
+    *p++ = (char)(in->trace_flags & 0xff);
+    *p++ = 0;
+    *p++ = 0;
+    *p++ = 0;
+    return p;
+}
+
 /* The record's server span body (new bytes); Py_None (new ref) when a value is beyond int64 (the
  * Python path writes it); NULL with an exception set. */
 static PyObject *write_span(const struct http_record *r, PyObject *const prefix[3],
@@ -432,49 +480,17 @@ static PyObject *write_span(const struct http_record *r, PyObject *const prefix[
                        + PyBytes_GET_SIZE(in->extra) + PyBytes_GET_SIZE(in->gpu)
                        + (in->saddr ? PyBytes_GET_SIZE(in->saddr) : 0)
                        + (in->caddr ? PyBytes_GET_SIZE(in->caddr) : 0);
-    /* Written in a scratch buffer, then copied into a body of its exact size: a body allocated
-     * at its upper bound and cut down after would leave the heap a gap per span. Calls hold the
-     * GIL, so one buffer serves them all. */
-    static char *scratch;
-    static size_t scratch_cap;
-    size_t need = (size_t)given + OWN_BYTES_MAX;
-    if (need > scratch_cap) {
-        char *grown = PyMem_Realloc(scratch, need);
-        if (grown == NULL)
-            return PyErr_NoMemory();
-        scratch = grown;
-        scratch_cap = need;
-    }
+    char *scratch = scratch_for((size_t)given + OWN_BYTES_MAX);
+    if (scratch == NULL)
+        return NULL;
     char *p = scratch;
     int beyond = 0;
 
-    /* ids, times, flags (otlp_wire.span_head) */
     uint64_t arrival = r->arrival_ns, read = r->read_ns;
     int queued = 0 < arrival && arrival <= read;
     uint64_t start = (queued ? arrival : read) + in->offset;
     uint64_t end = (r->end_ns > read ? r->end_ns : read) + in->offset;
-    *p++ = 0x0a;
-    *p++ = 0x10;
-    p = put_u64_be(p, in->trace_hi);
-    p = put_u64_be(p, in->trace_lo);
-    *p++ = 0x12;
-    *p++ = 0x08;
-    p = put_u64_be(p, in->span_id);
-    if (in->parent_id) {
-        *p++ = 0x22;
-        *p++ = 0x08;
-        p = put_u64_be(p, in->parent_id);
-    }
-    *p++ = 0x39;
-    p = put_u64_le(p, start);
-    *p++ = 0x41;
-    p = put_u64_le(p, end);
-    *p++ = (char)0x85;
-    *p++ = 0x01;
-    *p++ = (char)(in->trace_flags & 0xff);
-    *p++ = 0;
-    *p++ = 0;
-    *p++ = 0;
+    p = put_head(p, in, in->span_id, in->parent_id, start, end);
 
     /* build_spans' attributes, in its order */
     p = put_bytes(p, pre); /* name, kind, method, url.path, network.* */
@@ -702,14 +718,65 @@ out:
     return result;
 }
 
+/* spans._helper_spans for one work-set member: an INTERNAL child of the server span
+ * (in->span_id) from when the thread joined the set until it left it (or the response ended).
+ * fields: (its name field, its thread.name attribute field), made by the caller. New bytes;
+ * Py_None (new ref) when a value is beyond int64; NULL with an exception set. */
+static PyObject *write_helper(const struct http_record *r, const struct ws_member *m,
+                              const struct span_in *in, uint64_t span_id, PyObject *fields)
+{
+    PyObject *name = PyTuple_GET_ITEM(fields, 0), *thread = PyTuple_GET_ITEM(fields, 1);
+    char *scratch = scratch_for((size_t)(PyBytes_GET_SIZE(name) + PyBytes_GET_SIZE(thread))
+                                + OWN_BYTES_MAX);
+    if (scratch == NULL)
+        return NULL;
+    char *p = scratch;
+    int beyond = 0;
+    unsigned on = in->signals;
+    uint64_t end = m->leave_ns ? m->leave_ns : r->end_ns;
+    if (end < m->join_ns)
+        end = m->join_ns;
+    p = put_head(p, in, span_id, in->span_id, m->join_ns + in->offset, end + in->offset);
+    p = put_bytes(p, name);
+    *p++ = 0x30; /* Span.kind: INTERNAL */
+    *p++ = 0x01;
+    TRUE_ATTR("tracejoin.interval.kernel_measured");
+    INT_ATTR("thread.id", m->tid);
+    p = put_bytes(p, thread);
+    if (m->pid)
+        INT_ATTR("process.pid", m->pid);
+    INT_ATTR("tracejoin.work.on_cpu_ns", m->oncpu_ns);
+    if (m->shared_oncpu_ns)
+        INT_ATTR(SHARED "on_cpu_ns", m->shared_oncpu_ns);
+    if (on & SIGM_SCHED)
+        INT_ATTR("tracejoin.sched.runq_wait_ns", m->runq_ns);
+    if (on & SIGM_FAULTS) {
+        INT_ATTR("tracejoin.mm.minor_faults", m->minflt);
+        INT_ATTR("tracejoin.mm.major_faults", m->majflt);
+    }
+    if (r->flags & REQF_TLB_HW) { /* spans._tlb_names */
+        INT_ATTR("tracejoin.tlb.dtlb_load_misses", m->tlb_a);
+        INT_ATTR("tracejoin.tlb.itlb_load_misses", m->tlb_b);
+    } else if (in->tlb_fallback) {
+        INT_ATTR("tracejoin.tlb.flushes", m->tlb_a);
+        INT_ATTR("tracejoin.tlb.full_flushes", m->tlb_b);
+    }
+    if (beyond)
+        Py_RETURN_NONE;
+    return PyBytes_FromStringAndSize(scratch, p - scratch);
+}
+
 /* ---- spans_batch ---------------------------------------------------------------------- */
 
 #define CONN_CACHE_MAX 65536 /* connections' address fields kept (cleared when full) */
 #define PID_MEMO 8           /* processes resolved once per batch */
 
+#define IDS_PER_RECORD (1 + WS_SLOTS) /* the server span's, then each helper's */
+
 struct batch_ctx {
     PyObject *prefixes[2], *makers[2]; /* by span kind: [0] SERVER, [1] INTERNAL (instrumented) */
     PyObject *resolve, *conns, *conn_fields, *span_type, *gpu;
+    PyObject *helper_fields, *helpers; /* the maker, and its answers in this call */
     const unsigned char *ids;
     struct span_in in;
     uint64_t recvq_threshold, runq_threshold;
@@ -787,11 +854,46 @@ fail:
     return NULL;
 }
 
+/* helper_fields(reader pid, member pid, comm) for a work-set member, once per call: borrowed
+ * (from c->helpers), NULL with an exception set. */
+static PyObject *helper_fields_for(struct batch_ctx *c, uint32_t reader, const struct ws_member *m)
+{
+    char kb[8 + sizeof(m->comm)];
+    memcpy(kb, &reader, 4);
+    memcpy(kb + 4, &m->pid, 4);
+    memcpy(kb + 8, m->comm, sizeof(m->comm));
+    PyObject *key = PyBytes_FromStringAndSize(kb, sizeof(kb));
+    if (key == NULL)
+        return NULL;
+    PyObject *got = PyDict_GetItemWithError(c->helpers, key); /* borrowed */
+    if (got == NULL && !PyErr_Occurred()) {
+        got = PyObject_CallFunction(c->helper_fields, "IIy#", (unsigned)reader, (unsigned)m->pid,
+                                    m->comm, (Py_ssize_t)sizeof(m->comm));
+        if (got != NULL && got != Py_None
+            && (!PyTuple_CheckExact(got) || PyTuple_GET_SIZE(got) != 2
+                || !PyBytes_CheckExact(PyTuple_GET_ITEM(got, 0))
+                || !PyBytes_CheckExact(PyTuple_GET_ITEM(got, 1)))) {
+            Py_DECREF(got);
+            got = NULL;
+            PyErr_SetString(PyExc_TypeError, "helper_fields must return (bytes, bytes) or None");
+        }
+        if (got != NULL) {
+            int bad = PyDict_SetItem(c->helpers, key, got);
+            Py_DECREF(got); /* the dict holds it */
+            if (bad < 0)
+                got = NULL;
+        }
+    }
+    Py_DECREF(key);
+    return got;
+}
+
 /* One ring record -> its server span (an instance of span_type: resource, body), appended to
- * spans. 0: written; 1: not the common case, left to the stages; -1: an exception is set.
- * The common case: an HTTP/1.x or HTTP/2 record that decode_http reads as it is (long enough,
- * no Huffman-coded value to decode, no CUDA sums), one plain sampled version-00 traceparent,
- * the tuple carried, no child span to make, and a process the resolver answers for. */
+ * spans, with its work set's helper spans after it. 0: written; 1: not the common case, left
+ * to the stages; -1: an exception is set. The common case: an HTTP/1.x or HTTP/2 record that
+ * decode_http reads as it is (long enough, no Huffman-coded value to decode, no CUDA sums), one
+ * plain sampled version-00 traceparent, the tuple carried, no child span but its helpers', and
+ * a process the resolver answers for. */
 static int batch_record(struct batch_ctx *c, PyObject *item, Py_ssize_t i, PyObject *spans,
                         struct http_record *r)
 {
@@ -816,9 +918,11 @@ static int batch_record(struct batch_ctx *c, PyObject *item, Py_ssize_t i, PyObj
         return 1; /* every other traceparent (and its counters) is correlate's */
     int queued = 0 < r->arrival_ns && r->arrival_ns <= r->read_ns;
     int tracked = (in.signals & SIGM_WORKSET) && (r->ws_flags & WSF_TRACKED);
-    if (needs_children(r, in.signals, queued, tracked, c->recvq_threshold, c->runq_threshold))
+    /* a long receive-queue or run-queue wait's child: the stages' (the helpers' are below) */
+    if (needs_children(r, in.signals, queued, 0, c->recvq_threshold, c->runq_threshold))
         return 1;
-    memcpy(&in.span_id, c->ids + 8 * i, 8);
+    const unsigned char *ids = c->ids + 8 * IDS_PER_RECORD * i;
+    memcpy(&in.span_id, ids, 8);
     if (in.span_id == 0)
         return 1;
     PyObject *served = served_for(c, r->pid); /* borrowed */
@@ -837,28 +941,52 @@ static int batch_record(struct batch_ctx *c, PyObject *item, Py_ssize_t i, PyObj
     in.caddr = PyTuple_GET_ITEM(addrs, 1);
     in.lport = r->lport;
     in.rport = r->rport;
-    PyObject *prefix[3] = {NULL, NULL, NULL}, *body = NULL, *span = NULL;
-    int rc = -1;
+    PyObject *prefix[3] = {NULL, NULL, NULL}, *bodies[IDS_PER_RECORD] = {NULL};
+    int rc = -1, nbodies = 0;
     int grpc = (r->h2_flags & H2F_STREAM) && r->grpc_status;
     if (request_prefix(r, grpc, c->prefixes[kind], c->makers[kind], prefix) < 0)
         goto out;
-    body = write_span(r, prefix, &in);
-    if (body == NULL)
-        goto out;
-    if (body == Py_None) { /* a value beyond int64: the Python path writes it */
+    /* every span of the record first, so that one the stages must write leaves none here */
+    PyObject *body = write_span(r, prefix, &in);
+    for (unsigned k = 0; body != NULL && body != Py_None; k++) {
+        bodies[nbodies++] = body;
+        while (tracked && k < nslots && !r->members[k].join_ns)
+            k++; /* a slot never joined: no span, no id (as _helper_spans) */
+        if (!tracked || k >= nslots) {
+            body = NULL;
+            break;
+        }
+        uint64_t helper_id;
+        memcpy(&helper_id, ids + 8 * nbodies, 8);
+        PyObject *fields = helper_id ? helper_fields_for(c, r->pid, &r->members[k]) : Py_None;
+        if (fields == NULL)
+            goto out;
+        body = fields == Py_None ? Py_NewRef(Py_None)
+                                 : write_helper(r, &r->members[k], &in, helper_id, fields);
+    }
+    if (body != NULL) { /* Py_None: a value beyond int64 or a helper left: the stages' */
+        Py_DECREF(body);
         rc = 1;
         goto out;
     }
-    span = PyType_GenericAlloc((PyTypeObject *)c->span_type, 2);
-    if (span == NULL)
+    if (PyErr_Occurred())
         goto out;
-    PyTuple_SET_ITEM(span, 0, Py_NewRef(PyTuple_GET_ITEM(served, 0)));
-    PyTuple_SET_ITEM(span, 1, body);
-    body = NULL;
-    rc = PyList_Append(spans, span) < 0 ? -1 : 0;
+    rc = 0;
+    for (int k = 0; k < nbodies && rc == 0; k++) {
+        PyObject *span = PyType_GenericAlloc((PyTypeObject *)c->span_type, 2);
+        if (span == NULL) {
+            rc = -1;
+            break;
+        }
+        PyTuple_SET_ITEM(span, 0, Py_NewRef(PyTuple_GET_ITEM(served, 0)));
+        PyTuple_SET_ITEM(span, 1, bodies[k]);
+        bodies[k] = NULL;
+        rc = PyList_Append(spans, span) < 0 ? -1 : 0;
+        Py_DECREF(span);
+    }
 out:
-    Py_XDECREF(span);
-    Py_XDECREF(body);
+    for (int k = 0; k < nbodies; k++)
+        Py_XDECREF(bodies[k]);
     for (int k = 0; k < 3; k++)
         Py_XDECREF(prefix[k]);
     Py_DECREF(addrs);
@@ -873,20 +1001,23 @@ out:
  *   resolve(pid) -> (resource, extra fields, instrumented) or None (the stages make its spans);
  *   conns: dict conn_id -> conn_fields' answer, kept here;
  *   conn_fields(family, laddr, raddr) -> (server.address field, client.address field);
- *   span_type: EncodedSpan (a 2-tuple type: resource, body); ids: 8 random bytes per record,
- *   its span id; plan: as server_span's.
+ *   span_type: EncodedSpan (a 2-tuple type: resource, body); ids: 8 random bytes for each of
+ *   a record's IDS_PER_RECORD span ids (the server span's, then its helpers'); plan: as
+ *   server_span's; helper_fields(reader pid, member pid, comm) -> (the helper span's name field,
+ *   its thread.name field), or None (the stages write that record).
  * -> the number of spans appended. */
 static PyObject *spans_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 12) {
-        PyErr_Format(PyExc_TypeError, "spans_batch takes 12 arguments (%zd given)", nargs);
+    if (nargs != 13) {
+        PyErr_Format(PyExc_TypeError, "spans_batch takes 13 arguments (%zd given)", nargs);
         return NULL;
     }
     PyObject *records = args[0], *spans = args[1], *rest = args[2], *prefixes = args[3],
              *makers = args[4], *ids = args[10];
     struct batch_ctx c = {
         .resolve = args[5], .conns = args[6], .conn_fields = args[7], .span_type = args[8],
+        .helper_fields = args[12],
     };
     if (!PyList_CheckExact(records) || !PyList_CheckExact(spans) || !PyList_CheckExact(rest)) {
         PyErr_SetString(PyExc_TypeError, "records, spans and rest must be lists");
@@ -915,8 +1046,8 @@ static PyObject *spans_batch(PyObject *self, PyObject *const *args, Py_ssize_t n
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(records);
-    if (!PyBytes_CheckExact(ids) || PyBytes_GET_SIZE(ids) < 8 * n) {
-        PyErr_SetString(PyExc_ValueError, "ids must be bytes, 8 per record");
+    if (!PyBytes_CheckExact(ids) || PyBytes_GET_SIZE(ids) < 8 * IDS_PER_RECORD * n) {
+        PyErr_Format(PyExc_ValueError, "ids must be bytes, %d per record", 8 * IDS_PER_RECORD);
         return NULL;
     }
     c.ids = (const unsigned char *)PyBytes_AS_STRING(ids);
@@ -925,10 +1056,11 @@ static PyObject *spans_batch(PyObject *self, PyObject *const *args, Py_ssize_t n
         return NULL;
     c.in.offset = (uint64_t)offset;
     c.in.gpu = PyBytes_FromStringAndSize(NULL, 0);
-    if (c.in.gpu == NULL)
-        return NULL;
-    if (plan_arg(args[11], &c.in, &c.recvq_threshold, &c.runq_threshold) < 0) {
-        Py_DECREF(c.in.gpu);
+    c.helpers = PyDict_New();
+    if (c.in.gpu == NULL || c.helpers == NULL
+        || plan_arg(args[11], &c.in, &c.recvq_threshold, &c.runq_threshold) < 0) {
+        Py_XDECREF(c.in.gpu);
+        Py_XDECREF(c.helpers);
         return NULL;
     }
     struct http_record *r = PyMem_Malloc(sizeof(*r));
@@ -946,6 +1078,7 @@ static PyObject *spans_batch(PyObject *self, PyObject *const *args, Py_ssize_t n
     }
     PyMem_Free(r);
     Py_DECREF(c.in.gpu);
+    Py_DECREF(c.helpers);
     for (int k = 0; k < c.npids; k++)
         Py_DECREF(c.served[k]);
     return rc < 0 ? NULL : PyLong_FromSsize_t(written);
@@ -956,7 +1089,7 @@ static PyMethodDef methods[] = {
     {"server_span", (PyCFunction)(void (*)(void))server_span, METH_FASTCALL,
      "A record's server span -> (bytes, children may follow), or None (see span_bytes)."},
     {"spans_batch", (PyCFunction)(void (*)(void))spans_batch, METH_FASTCALL,
-     "A batch of ring records -> the common ones' server spans; the rest left (see span_bytes)."},
+     "A batch of ring records -> the common ones' spans; the rest left (see span_bytes)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -970,5 +1103,8 @@ PyMODINIT_FUNC PyInit__span_bytes(void)
     k64 = PyLong_FromLong(64);
     if (k64 == NULL)
         return NULL;
-    return PyModule_Create(&module);
+    PyObject *mod = PyModule_Create(&module);
+    if (mod != NULL && PyModule_AddIntConstant(mod, "IDS_PER_RECORD", IDS_PER_RECORD) < 0)
+        Py_CLEAR(mod);
+    return mod;
 }

@@ -61,7 +61,7 @@ from tracejoin.core.otlp_wire import (
 from tracejoin.core.record import H2F_STREAM, H2F_UNRESOLVED, WSF_CAP, WSF_NO_GAP, WSF_STATS
 from tracejoin.core.text import http_method, url_path
 from tracejoin.enrich.correlate import carried_addresses
-from tracejoin.enrich.enricher import EnrichedRecord, Enricher
+from tracejoin.enrich.enricher import EnrichedRecord, Enricher, process_name
 from tracejoin.kernel.decode import (
     REQF_FIRST_ON_CONN,
     REQF_PATH_TRUNC,
@@ -85,6 +85,7 @@ from tracejoin.pipeline.spans import (
     child_spans,
     grpc_call,
     grpc_status_code,
+    helper_thread_name,
     http_span_name,
     needs_children,
     server_status,
@@ -138,11 +139,13 @@ def _join_py(parts: list[bytes | int]) -> bytes:
 
 
 try:  # compiled where a C compiler was, at install: the same bytes, faster
+    from tracejoin.pipeline._span_bytes import IDS_PER_RECORD
     from tracejoin.pipeline._span_bytes import join as _join_c
     from tracejoin.pipeline._span_bytes import server_span as _server_span_c
     from tracejoin.pipeline._span_bytes import spans_batch as _spans_batch_c
 except ImportError:  # pragma: no cover - the pure-Python fallback, under the same tests
     _join_c = _server_span_c = _spans_batch_c = None
+    IDS_PER_RECORD = 0
 
 _join: Callable[[list[bytes | int]], bytes] = _join_c or _join_py
 _server_span = _server_span_c  # None: every span takes _encode_py (tests and bench switch it)
@@ -216,6 +219,7 @@ _SERVER_ADDR = _str_writer("server.address")
 _SERVER_PORT = _int_key("server.port")
 _CLIENT_ADDR = _str_writer("client.address")
 _CLIENT_PORT = _int_key("client.port")
+_THREAD_NAME = _str_writer("thread.name")  # a helper span's (BatchWriter)
 _SERVICE_SOURCE = _str_writer("tracejoin.service_name.source")
 _INSTRUMENTED = _str_writer("tracejoin.instrumented.source")
 _REJECTED = _str_writer("tracejoin.traceparent.rejected")
@@ -556,13 +560,15 @@ def encode_spans(
 
 
 class BatchWriter:
-    """The common request's server span straight from the ring's bytes, a batch in one C call
+    """The common request's spans straight from the ring's bytes, a batch in one C call
     (_span_bytes.c spans_batch): what decode, enrich and encode_spans would make of it, with no
-    Python object per record but the span. The common request is an HTTP/1.x or HTTP/2 record
+    Python object per record but the spans. The common request is an HTTP/1.x or HTTP/2 record
     that decodes as it is, with one plain sampled version-00 traceparent, its tuple carried, no
-    child span and no GPU join; every other record is returned for the stages, which stay the
-    reference (tests/test_span_bytes.py compares the two). The process's resource and naming are
-    the enricher's (once per pid a batch), the clock offset its clock's (once a batch)."""
+    child span but its work set's helpers' and no GPU join; every other record is returned for
+    the stages, which stay the reference (tests/test_span_bytes.py compares the two). The
+    process's resource and naming are the enricher's (once per pid a batch), the clock offset
+    its clock's (once a batch), a helper span's names from the same resolver (once per thread a
+    batch)."""
 
     def __init__(self, enricher: Enricher, opts: SpanOptions) -> None:
         self.enricher = enricher
@@ -585,6 +591,18 @@ class BatchWriter:
         local, peer = carried_addresses(family, laddr, raddr)
         return _SERVER_ADDR(local), _CLIENT_ADDR(peer)
 
+    def _helper_fields(self, reader: int, pid: int, comm: bytes) -> tuple[bytes, bytes]:
+        """A helper span's name field ("process/thread") and thread.name field, named as
+        spans._helper_spans names them (the processes as the enricher's _helper_processes)."""
+        thread = helper_thread_name(comm.split(b"\0", 1)[0])
+        if pid == reader:
+            exe = self.enricher.served(reader).resource.get("process.executable.name")
+            process = str(exe) if exe else f"pid {pid}"
+        else:
+            process = process_name(self.enricher.served(pid).resource, pid) if pid else "?"
+        name = utf8(f"{process}/{thread}")
+        return T_SPAN_NAME + varint(len(name)) + name, _THREAD_NAME(thread)
+
     def write(self, records: list[bytes], spans: list[ExportSpan]) -> list[bytes]:
         """Appends the common records' spans to `spans`; returns the others, in order. When it
         raises, nothing was appended."""
@@ -603,8 +621,9 @@ class BatchWriter:
             self._conn_fields,
             EncodedSpan,
             self.enricher.clock.offset_ns(),
-            os.urandom(8 * len(records)),
+            os.urandom(8 * IDS_PER_RECORD * len(records)),
             _plan(self.opts),
+            self._helper_fields,
         )
         spans += mine
         return rest

@@ -498,7 +498,7 @@ def _helper_spans(
     for m in rec.members[: min(rec.ws_nslots, WS_SLOTS)]:
         if not m.join_ns:
             continue
-        thread = terminal_safe(m.comm_bytes().decode("utf-8", "backslashreplace")) or "?"
+        thread = helper_thread_name(m.comm_bytes())
         if m.pid == rec.pid:
             exe = e.resource.get("process.executable.name")
             process = str(exe) if exe else f"pid {m.pid}"
@@ -528,6 +528,11 @@ def _helper_spans(
         a.update(zip(tlb, (m.tlb_a, m.tlb_b), strict=False))
         out.append(child)
     return out
+
+
+def helper_thread_name(comm: bytes) -> str:
+    """A helper thread's name on its span, from the kernel's comm (up to its NUL)."""
+    return terminal_safe(comm.decode("utf-8", "backslashreplace")) or "?"
 
 
 def _child(parent: Span, span_id: int, name: str, start_ns: int, end_ns: int) -> Span:
