@@ -445,6 +445,11 @@ def test_server_span_rejects_what_it_cannot_read_and_bounds_its_cache():
     # a port beyond int64 (never from the kernel): left to Python, which writes it as it can
     far = Endpoints("10.0.0.1", 1 << 64, "10.0.0.2", 1)
     assert c(*_server_span_args(rec, opts, endpoints=far)) is None
+    # a span larger than the writer's stack buffer (8 KiB) is written on the heap, whole
+    big = span_bytes._SERVICE_SOURCE("x" * 20_000)
+    body, _ = c(*_server_span_args(rec, opts, extra=big))
+    attrs = {a.key: a.value.string_value for a in trace_pb2.Span.FromString(body).attributes}
+    assert attrs["tracejoin.service_name.source"] == "x" * 20_000
     # one entry per request line, cleared when full: hostile paths cannot grow it
     prefixes: dict[bytes, tuple[bytes, bytes]] = {}
     for i in range(5000):

@@ -417,23 +417,25 @@ static int plan_arg(PyObject *plan, struct span_in *in, uint64_t *recvq_threshol
     return 0;
 }
 
-/* A span is written in a scratch buffer, then copied into a body of its exact size: a body
- * allocated at its upper bound and cut down after would leave the heap a gap per span. Calls
- * hold the GIL, so one buffer serves them all. NULL with an exception set. */
-static char *scratch_for(size_t need)
+/* A span is written in a buffer (on the stack when it fits), then copied into a body of its
+ * exact size: a body allocated at its upper bound and cut down after would leave the heap a gap
+ * per span. NULL with an exception set. */
+#define STACK_SPAN 8192
+static char *span_buf(char *stack, size_t need)
 {
-    static char *scratch;
-    static size_t cap;
-    if (need > cap) {
-        char *grown = PyMem_Realloc(scratch, need);
-        if (grown == NULL) {
-            PyErr_NoMemory();
-            return NULL;
-        }
-        scratch = grown;
-        cap = need;
-    }
-    return scratch;
+    char *buf = need <= STACK_SPAN ? stack : PyMem_Malloc(need);
+    if (buf == NULL)
+        PyErr_NoMemory();
+    return buf;
+}
+
+/* The body from buf..end (Py_None when a value was beyond int64); frees a heap buffer. */
+static PyObject *span_body(char *stack, char *buf, const char *end, int beyond)
+{
+    PyObject *out = beyond ? Py_NewRef(Py_None) : PyBytes_FromStringAndSize(buf, end - buf);
+    if (buf != stack)
+        PyMem_Free(buf);
+    return out;
 }
 
 /* A Span message's ids, times and flags (otlp_wire.span_head). */
@@ -480,10 +482,11 @@ static PyObject *write_span(const struct http_record *r, PyObject *const prefix[
                        + PyBytes_GET_SIZE(in->extra) + PyBytes_GET_SIZE(in->gpu)
                        + (in->saddr ? PyBytes_GET_SIZE(in->saddr) : 0)
                        + (in->caddr ? PyBytes_GET_SIZE(in->caddr) : 0);
-    char *scratch = scratch_for((size_t)given + OWN_BYTES_MAX);
-    if (scratch == NULL)
+    char stack[STACK_SPAN];
+    char *buf = span_buf(stack, (size_t)given + OWN_BYTES_MAX);
+    if (buf == NULL)
         return NULL;
-    char *p = scratch;
+    char *p = buf;
     int beyond = 0;
 
     uint64_t arrival = r->arrival_ns, read = r->read_ns;
@@ -614,9 +617,7 @@ static PyObject *write_span(const struct http_record *r, PyObject *const prefix[
         int n = snprintf(msg, sizeof(msg), "stream ended by %s", ended);
         p = put_error_status(p, msg, (size_t)n);
     }
-    if (beyond)
-        Py_RETURN_NONE;
-    return PyBytes_FromStringAndSize(scratch, p - scratch);
+    return span_body(stack, buf, p, beyond);
 }
 
 /* Whether this record's spans are past server_span: CUDA sums are the Python path's. */
@@ -726,11 +727,12 @@ static PyObject *write_helper(const struct http_record *r, const struct ws_membe
                               const struct span_in *in, uint64_t span_id, PyObject *fields)
 {
     PyObject *name = PyTuple_GET_ITEM(fields, 0), *thread = PyTuple_GET_ITEM(fields, 1);
-    char *scratch = scratch_for((size_t)(PyBytes_GET_SIZE(name) + PyBytes_GET_SIZE(thread))
-                                + OWN_BYTES_MAX);
-    if (scratch == NULL)
+    char stack[STACK_SPAN];
+    char *buf = span_buf(
+        stack, (size_t)(PyBytes_GET_SIZE(name) + PyBytes_GET_SIZE(thread)) + OWN_BYTES_MAX);
+    if (buf == NULL)
         return NULL;
-    char *p = scratch;
+    char *p = buf;
     int beyond = 0;
     unsigned on = in->signals;
     uint64_t end = m->leave_ns ? m->leave_ns : r->end_ns;
@@ -761,9 +763,7 @@ static PyObject *write_helper(const struct http_record *r, const struct ws_membe
         INT_ATTR("tracejoin.tlb.flushes", m->tlb_a);
         INT_ATTR("tracejoin.tlb.full_flushes", m->tlb_b);
     }
-    if (beyond)
-        Py_RETURN_NONE;
-    return PyBytes_FromStringAndSize(scratch, p - scratch);
+    return span_body(stack, buf, p, beyond);
 }
 
 /* ---- spans_batch ---------------------------------------------------------------------- */
