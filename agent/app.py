@@ -273,16 +273,26 @@ class Agent:
 
     def refresh_metrics(self) -> None:
         """Copy in what is kept elsewhere as running totals: the kernel's counters, and the
-        agent's own CPU time and resident memory (psutil), so /metrics and the capture's
-        counters show what the agent itself costs."""
-        usage = self._self.cpu_times()
-        cpu_s = usage.user + usage.system
+        agent's own CPU time and resident memory, so /metrics and the capture's counters show
+        what the agent itself costs (a scrape; the capture's summary)."""
+        cpu_s = time.process_time()  # every thread's, to the ns (the budget's reading too)
         self.metrics.set("process_cpu_seconds", cpu_s)
         self.metrics.set("process_resident_memory_bytes", self._self.memory_info().rss)
         if self.pipeline is not None:
             counters = self.pipeline.kernel_counters()
             self._apply_budget(cpu_s, counters.get("ringbuf_full", 0))
+            self._copy_shed()
             self._copy_aggregates()
+
+    def tick(self) -> None:
+        """`tracejoin run`'s once a second: the overload budget's step, from the agent's CPU
+        and the ring's losses, when there is a budget. Everything else /metrics shows is copied
+        in when it is scraped (refresh_metrics): an idle agent spent half a millisecond a
+        second copying it for no one."""
+        if self.pipeline is None or self.budget.budget <= 0:
+            return
+        counters = self.pipeline.kernel_counters()
+        self._apply_budget(time.process_time(), counters.get("ringbuf_full", 0))
 
     def _copy_aggregates(self) -> None:
         """The kernel's per-endpoint aggregates of requests no span is made of (the policies
@@ -343,6 +353,9 @@ class Agent:
             self._set_sampling(before, ratio, "agent at %.2f of a CPU", self.budget.share)
         self.metrics.set("sampling_ratio", ratio)
         self.metrics.set("agent_cpu_share", round(self.budget.share, 4))
+
+    def _copy_shed(self) -> None:
+        """What the budget sampled out, per port (the kernel's shed map)."""
         shed = getattr(self.source, "shed", None)
         if shed is None:
             return

@@ -229,3 +229,32 @@ def test_the_agent_skips_the_budget_while_its_source_is_loading():
         time.sleep(0.95 if n else 0.01)  # a reading's interval (budget.MIN_INTERVAL_S)
         agent._apply_budget(cpu_s=12.0 + n, ringbuf_full=0)
     assert src.ratios and src.ratios[-1] < 1.0, "once loaded, overload lowers the ratio again"
+
+
+def test_the_agents_tick_steps_the_budget_only_when_there_is_one():
+    """`tracejoin run` ticks once a second: with a budget, one step from the agent's CPU and
+    the ring's losses; without one, nothing at all (a scrape copies the rest in)."""
+    from tracejoin.app import build_agent
+    from tracejoin.core.metrics import Metrics
+
+    class Counters:
+        reads = 0
+
+        def kernel_counters(self) -> dict[str, int]:
+            self.reads += 1
+            return {"ringbuf_full": 7}
+
+    for budget, want_steps in ((0.0, 0), (0.5, 1)):
+        agent = build_agent(Settings(gpu=False, cpu_budget=budget), Metrics(), [], source=object())  # type: ignore[arg-type]
+        steps: list[tuple[float, int]] = []
+        agent._apply_budget = (  # type: ignore[method-assign]
+            lambda cpu_s, ringbuf_full, steps=steps: steps.append((cpu_s, ringbuf_full))
+        )
+        agent.tick()  # before start: no pipeline, nothing to read
+        agent.pipeline = Counters()  # type: ignore[assignment]
+        before = time.process_time()
+        agent.tick()
+        assert len(steps) == want_steps and agent.pipeline.reads == want_steps
+        if steps:
+            cpu_s, lost = steps[0]
+            assert lost == 7 and before <= cpu_s <= time.process_time()

@@ -140,7 +140,7 @@ def _run(
         )
         while not stop.event.wait(1.0):
             try:
-                agent.refresh_metrics()
+                agent.tick()
             except Exception:
                 log.exception("reading kernel counters failed")
 

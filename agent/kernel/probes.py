@@ -723,8 +723,8 @@ class HttpProbes:
     def kernel_counters(self) -> dict[str, int]:
         """Per-CPU kernel counters summed (CNT_* in bpf/http_record.h). The whole array in one
         BPF_MAP_LOOKUP_BATCH where the kernel has it for arrays (a syscall and a per-CPU
-        lookup per counter otherwise: ~0.4 ms of the agent's CPU a second, read once a
-        second)."""
+        lookup per counter otherwise: ~0.4 ms of the agent's CPU each read; read at each
+        scrape, and once a second for the overload budget)."""
         if self._bpf is None:
             return {}
         table = self._bpf[b"counters"]  # type: ignore[index]
