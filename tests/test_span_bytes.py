@@ -19,7 +19,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from records import PID, TID, record
 from tracejoin.core import record as R
 from tracejoin.core.metrics import Metrics
-from tracejoin.core.model import EncodedSpan, Resource, Span
+from tracejoin.core.model import AttrValue, EncodedSpan, Resource, Span
 from tracejoin.core.otlp_wire import INT64_MAX
 from tracejoin.enrich import correlate
 from tracejoin.enrich.correlate import Endpoints
@@ -621,6 +621,7 @@ def test_the_batch_writer_rejects_what_it_cannot_read():
         bytes(8 * per),
         span_bytes._plan(SpanOptions(frozenset())),
         lambda reader, pid, comm: (b"", b""),
+        None,
     )
     assert c(*good) == 0  # a zero span id: left to the stages
     bad = {
@@ -631,6 +632,7 @@ def test_the_batch_writer_rejects_what_it_cannot_read():
         8: (Span, TypeError),
         10: (b"", ValueError),
         11: ((0,), TypeError),
+        13: ((), TypeError),
     }
     for at, (value, exc) in bad.items():
         args = list(good)
@@ -698,3 +700,63 @@ def test_the_pipeline_writes_a_mixed_batch_whole_and_survives_a_failing_writer()
             a.value.string_value for s in parsed for a in s.attributes if a.key == "url.path"
         )
         assert paths == ["/x", "/x", "/x", "/y"]
+
+
+class _Gpu:
+    """A GPU joiner (stages.GpuJoiner) whose sampler has covered up to `covered`."""
+
+    def __init__(self) -> None:
+        self.covered = 0
+        self.joined: list[tuple[int, int, int]] = []
+
+    def covered_until_ns(self) -> int:
+        return self.covered
+
+    def join(self, pid: int, start_ns: int, end_ns: int) -> dict[str, AttrValue]:
+        self.joined.append((pid, start_ns, end_ns))
+        return {"tracejoin.gpu.utilization_ratio": 0.25, "tracejoin.gpu.device": "GPU-0"}
+
+
+def test_with_a_gpu_join_the_batch_writer_holds_its_spans_until_the_samples_cover_them(
+    monkeypatch,
+):
+    """On a GPU node the common request is still the batch writer's: its spans wait in the GPU
+    hold like the stages' records, and leave with the GPU window on the server span. They parse
+    as the same Span messages build_spans makes (the GPU fields after the status: a parser reads
+    the attributes in the same order), the helpers' spans untouched."""
+    from tracejoin.pipeline.stages import GpuHold, Pipeline
+
+    gpu, dest, metrics = _Gpu(), _Destination(True), Metrics()
+    enricher = Enricher(metrics, resource)
+    opts = SpanOptions(SIGNAL_SETS["workset"], "flush_fallback", recvq_child_threshold_ns=10**12)
+    p = Pipeline(
+        source=None,  # type: ignore[arg-type]  # process() is driven directly
+        enricher=enricher,
+        span_options=opts,
+        destinations=[dest],  # type: ignore[arg-type]
+        metrics=metrics,
+        gpu_hold=GpuHold(gpu, metrics, hold_s=60.0),
+    )
+    assert p.batch_writer is not None
+    staged: list[object] = []
+    enrich = enricher.enrich
+    monkeypatch.setattr(enricher, "enrich", lambda rec: staged.append(rec) or enrich(rec))
+    monkeypatch.setattr(span_bytes.os, "urandom", _sequential_ids)
+    rec = record(TP)
+    _workset(rec, False)  # a server span and two helpers' spans
+    p.process([bytes(rec)])
+    assert dest.got == [] and staged == []  # written, and held: the samples are behind
+    e = enrich(decode_http(bytes(rec)))  # type: ignore[arg-type]
+    assert e is not None
+    gpu.covered = e.epoch_ns(e.end_mono_ns)
+    p.process([])  # the next wake-up: the sampler has caught up
+    assert gpu.joined == [(1, e.epoch_ns(e.start_mono_ns), e.epoch_ns(e.end_mono_ns))]
+    e.gpu = gpu.join(1, 0, 0)
+    ids = itertools.count(SPAN_ID)
+    reference = build_spans(e, opts, lambda bits: next(ids))
+    assert len(dest.got) == len(reference) == 3
+    assert all(isinstance(s, EncodedSpan) for s in dest.got)
+    assert encode_request(dest.got) == encode_request(reference)
+    server = trace_pb2.Span.FromString(dest.got[0].body)
+    assert server.attributes[-1].key == "tracejoin.gpu.device"
+    assert metrics.total("spans_built") == 3

@@ -777,6 +777,7 @@ struct batch_ctx {
     PyObject *prefixes[2], *makers[2]; /* by span kind: [0] SERVER, [1] INTERNAL (instrumented) */
     PyObject *resolve, *conns, *conn_fields, *span_type, *gpu;
     PyObject *helper_fields, *helpers; /* the maker, and its answers in this call */
+    PyObject *meta; /* None, or a list: per record written, (pid, start, end, spans) */
     const unsigned char *ids;
     struct span_in in;
     uint64_t recvq_threshold, runq_threshold;
@@ -972,6 +973,14 @@ static int batch_record(struct batch_ctx *c, PyObject *item, Py_ssize_t i, PyObj
     if (PyErr_Occurred())
         goto out;
     rc = 0;
+    if (c->meta != Py_None) { /* what a GPU join needs: its process and its times (monotonic) */
+        uint64_t read = r->read_ns, arrival = r->arrival_ns;
+        uint64_t start = queued ? arrival : read, end = r->end_ns > read ? r->end_ns : read;
+        PyObject *m = Py_BuildValue("(IKKi)", (unsigned)r->pid, (unsigned long long)start,
+                                    (unsigned long long)end, nbodies);
+        rc = m == NULL || PyList_Append(c->meta, m) < 0 ? -1 : 0;
+        Py_XDECREF(m);
+    }
     for (int k = 0; k < nbodies && rc == 0; k++) {
         PyObject *span = PyType_GenericAlloc((PyTypeObject *)c->span_type, 2);
         if (span == NULL) {
@@ -1004,21 +1013,27 @@ out:
  *   span_type: EncodedSpan (a 2-tuple type: resource, body); ids: 8 random bytes for each of
  *   a record's IDS_PER_RECORD span ids (the server span's, then its helpers'); plan: as
  *   server_span's; helper_fields(reader pid, member pid, comm) -> (the helper span's name field,
- *   its thread.name field), or None (the stages write that record).
+ *   its thread.name field), or None (the stages write that record); meta: None, or a list each
+ *   record written appends (pid, start, end, its spans) to, its times kernel-monotonic ns (what
+ *   the pipeline's GPU join needs).
  * -> the number of spans appended. */
 static PyObject *spans_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 13) {
-        PyErr_Format(PyExc_TypeError, "spans_batch takes 13 arguments (%zd given)", nargs);
+    if (nargs != 14) {
+        PyErr_Format(PyExc_TypeError, "spans_batch takes 14 arguments (%zd given)", nargs);
         return NULL;
     }
     PyObject *records = args[0], *spans = args[1], *rest = args[2], *prefixes = args[3],
              *makers = args[4], *ids = args[10];
     struct batch_ctx c = {
         .resolve = args[5], .conns = args[6], .conn_fields = args[7], .span_type = args[8],
-        .helper_fields = args[12],
+        .helper_fields = args[12], .meta = args[13],
     };
+    if (c.meta != Py_None && !PyList_CheckExact(c.meta)) {
+        PyErr_SetString(PyExc_TypeError, "meta must be None or a list");
+        return NULL;
+    }
     if (!PyList_CheckExact(records) || !PyList_CheckExact(spans) || !PyList_CheckExact(rest)) {
         PyErr_SetString(PyExc_TypeError, "records, spans and rest must be lists");
         return NULL;

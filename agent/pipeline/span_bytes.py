@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 
 from tracejoin.core.model import (
@@ -606,13 +607,37 @@ class BatchWriter:
     def write(self, records: list[bytes], spans: list[ExportSpan]) -> list[bytes]:
         """Appends the common records' spans to `spans`; returns the others, in order. When it
         raises, nothing was appended."""
+        mine: list[ExportSpan] = []
+        rest = self._write(records, mine, None)
+        spans += mine
+        return rest
+
+    def write_held(self, records: list[bytes]) -> tuple[list[WrittenSpans], list[bytes]]:
+        """As write, each request's spans apart with what a GPU join needs (its process and
+        times), to be held until the GPU samples cover it (stages.GpuHold)."""
+        spans: list[ExportSpan] = []
+        meta: list[tuple[int, int, int, int]] = []
+        offset = self.enricher.clock.offset_ns()
+        rest = self._write(records, spans, meta, offset)
+        out, at = [], 0
+        for pid, start, end, n in meta:
+            out.append(WrittenSpans(spans[at : at + n], pid, start + offset, end + offset))
+            at += n
+        return out, rest
+
+    def _write(
+        self,
+        records: list[bytes],
+        spans: list[ExportSpan],
+        meta: list[tuple[int, int, int, int]] | None,
+        offset: int | None = None,
+    ) -> list[bytes]:
         if _spans_batch is None:
             return records
         rest: list[bytes] = []
-        mine: list[ExportSpan] = []
         _spans_batch(
             records,
-            mine,
+            spans,
             rest,
             self._prefixes,
             self._makers,
@@ -620,10 +645,29 @@ class BatchWriter:
             self._conns,
             self._conn_fields,
             EncodedSpan,
-            self.enricher.clock.offset_ns(),
+            self.enricher.clock.offset_ns() if offset is None else offset,
             os.urandom(8 * IDS_PER_RECORD * len(records)),
             _plan(self.opts),
             self._helper_fields,
+            meta,
         )
-        spans += mine
         return rest
+
+
+@dataclass(slots=True)
+class WrittenSpans:
+    """One request the batch writer wrote, held for its GPU window: its spans (the server span
+    first) and what the GPU join needs (times in Unix epoch ns)."""
+
+    spans: list[ExportSpan]
+    pid: int
+    start_ns: int
+    end_ns: int
+
+    def with_gpu(self, gpu: Mapping[str, AttrValue]) -> None:
+        """Add the GPU window's attributes to the server span. After its status field: a
+        parser reads the same Span (repeated attributes concatenate; build_spans puts them
+        last too)."""
+        server = self.spans[0]
+        if gpu and isinstance(server, EncodedSpan):
+            self.spans[0] = EncodedSpan(server.resource, server.body + _attributes(gpu))

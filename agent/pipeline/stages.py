@@ -26,7 +26,7 @@ from tracejoin.core.model import AttrValue, ExportSpan, Span
 from tracejoin.enrich.enricher import EnrichedRecord, Enricher
 from tracejoin.kernel.decode import HttpRecord, RecordDecoder
 from tracejoin.kernel.probes import ProbeStatus
-from tracejoin.pipeline.span_bytes import BatchWriter, encode_spans
+from tracejoin.pipeline.span_bytes import BatchWriter, WrittenSpans, encode_spans
 from tracejoin.pipeline.spans import SpanOptions, build_spans
 
 log = logging.getLogger(__name__)
@@ -78,10 +78,15 @@ class GpuJoiner(Protocol):
 Observer = Callable[[list[Span], HttpRecord], None]
 
 
+# What GpuHold holds: a record for the stages, or the spans the batch writer already wrote.
+Held = EnrichedRecord | WrittenSpans
+
+
 class GpuHold:
     """NVML samples for a request's last moments arrive up to one sampling interval after it
-    ends: hold each record until the sampler has covered its end (or `hold_s` has passed), then
-    join the GPU window onto it. Bounded: beyond `max_held` the oldest is joined early."""
+    ends: hold each request until the sampler has covered its end (or `hold_s` has passed), then
+    join the GPU window onto it: an enriched record, or the batch writer's spans for one request.
+    Bounded: beyond `max_held` the oldest is joined early."""
 
     def __init__(
         self, gpu: GpuJoiner, metrics: Metrics, hold_s: float = 1.0, max_held: int = 50_000
@@ -90,22 +95,23 @@ class GpuHold:
         self.metrics = metrics
         self.hold_s = hold_s
         self.max_held = max_held
-        self._held: deque[tuple[float, int, EnrichedRecord]] = deque()
+        self._held: deque[tuple[float, int, Held]] = deque()
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def push(self, e: EnrichedRecord, now: float | None = None) -> list[EnrichedRecord]:
+    def push(self, e: Held, now: float | None = None) -> list[Held]:
         """Hold `e`; returns what must leave now to keep the bound."""
         now = time.monotonic() if now is None else now
         out = []
         if len(self._held) >= self.max_held:
             self.metrics.inc("gpu_join_early")
             out.append(self._join(self._held.popleft()[2]))
-        self._held.append((now + self.hold_s, e.epoch_ns(e.end_mono_ns), e))
+        end = e.end_ns if isinstance(e, WrittenSpans) else e.epoch_ns(e.end_mono_ns)
+        self._held.append((now + self.hold_s, end, e))
         return out
 
-    def release(self, force: bool = False, now: float | None = None) -> list[EnrichedRecord]:
+    def release(self, force: bool = False, now: float | None = None) -> list[Held]:
         """Records whose end the sampler has covered, or whose hold expired (all, if force)."""
         if not self._held:
             return []
@@ -119,9 +125,14 @@ class GpuHold:
             out.append(self._join(self._held.popleft()[2]))
         return out
 
-    def _join(self, e: EnrichedRecord) -> EnrichedRecord:
+    def _join(self, e: Held) -> Held:
         try:
-            e.gpu = self.gpu.join(e.rec.pid, e.epoch_ns(e.start_mono_ns), e.epoch_ns(e.end_mono_ns))
+            if isinstance(e, WrittenSpans):
+                e.with_gpu(self.gpu.join(e.pid, e.start_ns, e.end_ns))
+            else:
+                e.gpu = self.gpu.join(
+                    e.rec.pid, e.epoch_ns(e.start_mono_ns), e.epoch_ns(e.end_mono_ns)
+                )
         except Exception:
             log.exception("GPU join failed")
             self.metrics.inc("gpu_join_errors")
@@ -165,12 +176,10 @@ class Pipeline:
             and not self.observers
             and all(getattr(d, "accepts_encoded", False) for d in self.destinations)
         )
-        # The common record's server span from the ring's bytes in one C call per batch, where
-        # it was compiled and the stages would make nothing more of it (no GPU join)
+        # The common request's spans from the ring's bytes in one C call per batch, where it
+        # was compiled (with a GPU join, held like the stages' records: GpuHold)
         self.batch_writer: BatchWriter | None = (
-            BatchWriter(enricher, span_options)
-            if self.encode and gpu_hold is None and BatchWriter.available()
-            else None
+            BatchWriter(enricher, span_options) if self.encode and BatchWriter.available() else None
         )
         self._stop = threading.Event()
         self._paused = threading.Event()
@@ -199,14 +208,20 @@ class Pipeline:
                 log.exception("the overload budget's fill check failed")
         if not batch:
             if self.gpu_hold is not None:
-                self._emit_all(self.gpu_hold.release())
+                self._emit_held(self.gpu_hold.release())
             return
         self.metrics.inc("records_received", len(batch))
         self.metrics.inc("record_batches")
         written: list[ExportSpan] = []
+        held: list[Held] = []  # released by the GPU hold
         if self.batch_writer is not None:
             try:
-                batch = self.batch_writer.write(batch, written)
+                if self.gpu_hold is None:
+                    batch = self.batch_writer.write(batch, written)
+                else:
+                    requests, batch = self.batch_writer.write_held(batch)
+                    for w in requests:
+                        held += self.gpu_hold.push(w)
             except Exception:  # a bug there must lose nothing: the stages take every record
                 log.exception("the batch span writer failed; the stages write every span now")
                 self.metrics.inc("reader_errors")
@@ -230,13 +245,30 @@ class Pipeline:
             if self.gpu_hold is None:
                 ready.append(e)
             else:
-                ready += self.gpu_hold.push(e)
+                held += self.gpu_hold.push(e)
         if undecodable:
             self.metrics.inc("records_dropped_userspace", undecodable, reason="undecodable")
         if failed:
             self.metrics.inc("records_dropped_userspace", failed, reason="build_error")
         if self.gpu_hold is not None:
-            ready += self.gpu_hold.release()
+            held += self.gpu_hold.release()
+        self._emit_held(held, ready, written)
+
+    def _emit_held(
+        self,
+        held: list[Held],
+        ready: list[EnrichedRecord] | None = None,
+        written: list[ExportSpan] | None = None,
+    ) -> None:
+        """_emit_all, with what the GPU hold released: records for the stages, and requests
+        the batch writer wrote."""
+        ready = [] if ready is None else ready
+        written = [] if written is None else written
+        for h in held:
+            if isinstance(h, WrittenSpans):
+                written += h.spans
+            else:
+                ready.append(h)
         self._emit_all(ready, written)
 
     def _emit_all(self, records: list[EnrichedRecord], out: list[ExportSpan] | None = None) -> None:
@@ -368,7 +400,7 @@ class Pipeline:
                 self.process(batch)
             self.kernel_counters()
             if self.gpu_hold is not None:
-                self._emit_all(self.gpu_hold.release(force=True))
+                self._emit_held(self.gpu_hold.release(force=True))
         except Exception:
             log.exception("final drain failed")
         self.source.shutdown()
