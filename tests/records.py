@@ -36,3 +36,19 @@ def record(
     r.arrival_ns, r.read_ns, r.resp_start_ns, r.end_ns = arrival, read, read + 1000, end
     r.ws_flags = WSF_STATS  # the reader's counters were taken at the read
     return r
+
+
+class FakeGpu:
+    """A GPU joiner (pipeline.stages.GpuJoiner) whose sampler has covered up to `covered`; it
+    remembers what it joined."""
+
+    def __init__(self) -> None:
+        self.covered = 0
+        self.joined: list[tuple[int, int, int]] = []
+
+    def covered_until_ns(self) -> int:
+        return self.covered
+
+    def join(self, pid: int, start_ns: int, end_ns: int) -> dict[str, float]:
+        self.joined.append((pid, start_ns, end_ns))
+        return {"tracejoin.gpu.kernel_active.ratio.avg": 0.5}

@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from records import record
+from records import FakeGpu, record
 from tracejoin.app import build_agent
 from tracejoin.config import Settings
 from tracejoin.core.metrics import Metrics
@@ -249,19 +249,6 @@ def test_shutdown_holds_its_bound_while_the_detach_is_stuck():
         assert metrics.get("records_received") == 20
     finally:
         source.release.set()
-
-
-class FakeGpu:
-    def __init__(self) -> None:
-        self.covered = 0
-        self.joined: list[tuple[int, int, int]] = []
-
-    def covered_until_ns(self) -> int:
-        return self.covered
-
-    def join(self, pid: int, start_ns: int, end_ns: int) -> dict[str, float]:
-        self.joined.append((pid, start_ns, end_ns))
-        return {"tracejoin.gpu.kernel_active.ratio.avg": 0.5}
 
 
 def enriched(i: int):

@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 import pytest
 from opentelemetry.proto.trace.v1 import trace_pb2
-from records import PID, TID, record
+from records import PID, TID, FakeGpu, record
 from tracejoin.core import record as R
 from tracejoin.core.metrics import Metrics
-from tracejoin.core.model import AttrValue, EncodedSpan, Resource, Span
+from tracejoin.core.model import EncodedSpan, Resource, Span
 from tracejoin.core.otlp_wire import INT64_MAX
 from tracejoin.enrich import correlate
 from tracejoin.enrich.correlate import Endpoints
@@ -702,21 +702,6 @@ def test_the_pipeline_writes_a_mixed_batch_whole_and_survives_a_failing_writer()
         assert paths == ["/x", "/x", "/x", "/y"]
 
 
-class _Gpu:
-    """A GPU joiner (stages.GpuJoiner) whose sampler has covered up to `covered`."""
-
-    def __init__(self) -> None:
-        self.covered = 0
-        self.joined: list[tuple[int, int, int]] = []
-
-    def covered_until_ns(self) -> int:
-        return self.covered
-
-    def join(self, pid: int, start_ns: int, end_ns: int) -> dict[str, AttrValue]:
-        self.joined.append((pid, start_ns, end_ns))
-        return {"tracejoin.gpu.utilization_ratio": 0.25, "tracejoin.gpu.device": "GPU-0"}
-
-
 def test_with_a_gpu_join_the_batch_writer_holds_its_spans_until_the_samples_cover_them(
     monkeypatch,
 ):
@@ -726,7 +711,7 @@ def test_with_a_gpu_join_the_batch_writer_holds_its_spans_until_the_samples_cove
     the attributes in the same order), the helpers' spans untouched."""
     from tracejoin.pipeline.stages import GpuHold, Pipeline
 
-    gpu, dest, metrics = _Gpu(), _Destination(True), Metrics()
+    gpu, dest, metrics = FakeGpu(), _Destination(True), Metrics()
     enricher = Enricher(metrics, resource)
     opts = SpanOptions(SIGNAL_SETS["workset"], "flush_fallback", recvq_child_threshold_ns=10**12)
     p = Pipeline(
@@ -758,5 +743,5 @@ def test_with_a_gpu_join_the_batch_writer_holds_its_spans_until_the_samples_cove
     assert all(isinstance(s, EncodedSpan) for s in dest.got)
     assert encode_request(dest.got) == encode_request(reference)
     server = trace_pb2.Span.FromString(dest.got[0].body)
-    assert server.attributes[-1].key == "tracejoin.gpu.device"
+    assert server.attributes[-1].key == "tracejoin.gpu.kernel_active.ratio.avg"
     assert metrics.total("spans_built") == 3
