@@ -42,18 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("bench.agent_threads loads BPF programs: run it as root", file=sys.stderr)
         return 2
-    (port,) = m.free_ports(1)
-    with m.go_server(port, 1), m.otlp_sink(0) as sink:
-        agent = m.AgentRun([port], 0, sink_port=sink)
-        agent.start()
-        try:
-            m.rate(port, "/", args.rate, 2, 4, 0)  # the server is seen and inspected first
-            before = threads(agent.pid)
-            m.rate(port, "/", args.rate, args.seconds, 4, 0)
-            after = threads(agent.pid)
-            counters = agent.metrics()
-        finally:
-            agent.stop()
+    with m.agent_beside_go_server() as (port, agent):
+        m.rate(port, "/", args.rate, 2, 4, 0)  # the server is seen and inspected first
+        before = threads(agent.pid)
+        m.rate(port, "/", args.rate, args.seconds, 4, 0)
+        after = threads(agent.pid)
+        counters = agent.metrics()
     print(f"tracejoin run beside the Go server at {args.rate:g} req/s for {args.seconds:g} s:")
     for tid, (call, ns) in sorted(after.items(), key=lambda kv: int(kv[0])):
         used = (ns - before.get(tid, (call, 0))[1]) / 1e6 / args.seconds

@@ -450,6 +450,21 @@ class AgentRun:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def agent_beside_go_server() -> Iterator[tuple[int, AgentRun]]:
+    """The one-off tools' placement, as bench.run's: the Go test server alone on CPU1, the
+    OTLP sink and a started `tracejoin run` on CPU0. Yields (the server's port, the agent);
+    stops both."""
+    (port,) = free_ports(1)
+    with go_server(port, 1), otlp_sink(0) as sink:
+        agent = AgentRun([port], 0, sink_port=sink)
+        agent.start()
+        try:
+            yield port, agent
+        finally:
+            agent.stop()
+
+
 def _tmpfs() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") else None
 

@@ -29,27 +29,21 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("bench.repeat_steps loads BPF programs: run it as root", file=sys.stderr)
         return 2
-    (port,) = m.free_ports(1)
-    with m.go_server(port, 1), m.otlp_sink(0) as sink:
-        agent = m.AgentRun([port], 0, sink_port=sink)
-        agent.start()
-        try:
-            assert agent.proc is not None
-            for i in range(args.steps):
-                c0, before = m.on_cpu_seconds(agent.proc.pid), agent.metrics()
-                m.rate(port, "/", args.rate, args.seconds, 16, 0, nice=-10)
-                after = agent.wait_drained(before)
-                c1 = m.on_cpu_seconds(agent.proc.pid)
-                n = after.get("records_received", 0) - before.get("records_received", 0)
-                if c0 is None or c1 is None or n <= 0:
-                    print(f"step {i + 1}: no records or no CPU reading", file=sys.stderr)
-                    return 1
-                print(
-                    f"step {i + 1} at {args.rate:,.0f} req/s: {n:,.0f} records, "
-                    f"{(c1 - c0) * 1e6 / n:.1f} µs of agent CPU a record"
-                )
-        finally:
-            agent.stop()
+    with m.agent_beside_go_server() as (port, agent):
+        assert agent.proc is not None
+        for i in range(args.steps):
+            c0, before = m.on_cpu_seconds(agent.proc.pid), agent.metrics()
+            m.rate(port, "/", args.rate, args.seconds, 16, 0, nice=-10)
+            after = agent.wait_drained(before)
+            c1 = m.on_cpu_seconds(agent.proc.pid)
+            n = after.get("records_received", 0) - before.get("records_received", 0)
+            if c0 is None or c1 is None or n <= 0:
+                print(f"step {i + 1}: no records or no CPU reading", file=sys.stderr)
+                return 1
+            print(
+                f"step {i + 1} at {args.rate:,.0f} req/s: {n:,.0f} records, "
+                f"{(c1 - c0) * 1e6 / n:.1f} µs of agent CPU a record"
+            )
     return 0
 
 
