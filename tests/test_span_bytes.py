@@ -620,7 +620,7 @@ def test_the_batch_writer_rejects_what_it_cannot_read():
         0,
         bytes(8 * per),
         span_bytes._plan(SpanOptions(frozenset())),
-        lambda reader, pid, comm: (b"", b""),
+        lambda pid, comm: (b"", b""),
         None,
     )
     assert c(*good) == 0  # a zero span id: left to the stages
@@ -652,13 +652,13 @@ def test_the_batch_writer_rejects_what_it_cannot_read():
         SpanOptions(SIGNAL_SETS["workset"], recvq_child_threshold_ns=10**12)
     )
     for maker, exc in (
-        (lambda reader, pid, comm: (b"", "text"), TypeError),
-        (lambda reader, pid, comm: 1 / 0, ZeroDivisionError),
+        (lambda pid, comm: (b"", "text"), TypeError),
+        (lambda pid, comm: 1 / 0, ZeroDivisionError),
     ):
         args[12] = maker
         with pytest.raises(exc):
             c(*args)
-    args[1], args[2], args[12] = [], [], lambda reader, pid, comm: None
+    args[1], args[2], args[12] = [], [], lambda pid, comm: None
     assert c(*args) == 0 and args[2] == [bytes(helped)]  # a helper it cannot name: the stages'
     assert args[1] == []
 

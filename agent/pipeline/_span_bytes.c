@@ -855,21 +855,20 @@ fail:
     return NULL;
 }
 
-/* helper_fields(reader pid, member pid, comm) for a work-set member, once per call: borrowed
- * (from c->helpers), NULL with an exception set. */
-static PyObject *helper_fields_for(struct batch_ctx *c, uint32_t reader, const struct ws_member *m)
+/* helper_fields(member pid, comm) for a work-set member, once per call: borrowed (from
+ * c->helpers), NULL with an exception set. */
+static PyObject *helper_fields_for(struct batch_ctx *c, const struct ws_member *m)
 {
-    char kb[8 + sizeof(m->comm)];
-    memcpy(kb, &reader, 4);
-    memcpy(kb + 4, &m->pid, 4);
-    memcpy(kb + 8, m->comm, sizeof(m->comm));
+    char kb[4 + sizeof(m->comm)];
+    memcpy(kb, &m->pid, 4);
+    memcpy(kb + 4, m->comm, sizeof(m->comm));
     PyObject *key = PyBytes_FromStringAndSize(kb, sizeof(kb));
     if (key == NULL)
         return NULL;
     PyObject *got = PyDict_GetItemWithError(c->helpers, key); /* borrowed */
     if (got == NULL && !PyErr_Occurred()) {
-        got = PyObject_CallFunction(c->helper_fields, "IIy#", (unsigned)reader, (unsigned)m->pid,
-                                    m->comm, (Py_ssize_t)sizeof(m->comm));
+        got = PyObject_CallFunction(c->helper_fields, "Iy#", (unsigned)m->pid, m->comm,
+                                    (Py_ssize_t)sizeof(m->comm));
         if (got != NULL && got != Py_None
             && (!PyTuple_CheckExact(got) || PyTuple_GET_SIZE(got) != 2
                 || !PyBytes_CheckExact(PyTuple_GET_ITEM(got, 0))
@@ -959,7 +958,7 @@ static int batch_record(struct batch_ctx *c, PyObject *item, Py_ssize_t i, PyObj
         }
         uint64_t helper_id;
         memcpy(&helper_id, ids + 8 * nbodies, 8);
-        PyObject *fields = helper_id ? helper_fields_for(c, r->pid, &r->members[k]) : Py_None;
+        PyObject *fields = helper_id ? helper_fields_for(c, &r->members[k]) : Py_None;
         if (fields == NULL)
             goto out;
         body = fields == Py_None ? Py_NewRef(Py_None)
@@ -1012,7 +1011,7 @@ out:
  *   conn_fields(family, laddr, raddr) -> (server.address field, client.address field);
  *   span_type: EncodedSpan (a 2-tuple type: resource, body); ids: 8 random bytes for each of
  *   a record's IDS_PER_RECORD span ids (the server span's, then its helpers'); plan: as
- *   server_span's; helper_fields(reader pid, member pid, comm) -> (the helper span's name field,
+ *   server_span's; helper_fields(member pid, comm) -> (the helper span's name field,
  *   its thread.name field), or None (the stages write that record); meta: None, or a list each
  *   record written appends (pid, start, end, its spans) to, its times kernel-monotonic ns (what
  *   the pipeline's GPU join needs).

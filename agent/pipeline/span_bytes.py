@@ -564,12 +564,12 @@ class BatchWriter:
     """The common request's spans straight from the ring's bytes, a batch in one C call
     (_span_bytes.c spans_batch): what decode, enrich and encode_spans would make of it, with no
     Python object per record but the spans. The common request is an HTTP/1.x or HTTP/2 record
-    that decodes as it is, with one plain sampled version-00 traceparent, its tuple carried, no
-    child span but its work set's helpers' and no GPU join; every other record is returned for
-    the stages, which stay the reference (tests/test_span_bytes.py compares the two). The
-    process's resource and naming are the enricher's (once per pid a batch), the clock offset
-    its clock's (once a batch), a helper span's names from the same resolver (once per thread a
-    batch)."""
+    that decodes as it is, with one plain sampled version-00 traceparent, its tuple carried and
+    no child span but its work set's helpers' (a GPU join is added when the hold releases them:
+    write_held); every other record is returned for the stages, which stay the reference
+    (tests/test_span_bytes.py compares the two). The process's resource and naming are the
+    enricher's (once per pid a batch), the clock offset its clock's (once a batch), a helper
+    span's names from the same resolver (once per thread a batch)."""
 
     def __init__(self, enricher: Enricher, opts: SpanOptions) -> None:
         self.enricher = enricher
@@ -592,15 +592,11 @@ class BatchWriter:
         local, peer = carried_addresses(family, laddr, raddr)
         return _SERVER_ADDR(local), _CLIENT_ADDR(peer)
 
-    def _helper_fields(self, reader: int, pid: int, comm: bytes) -> tuple[bytes, bytes]:
+    def _helper_fields(self, pid: int, comm: bytes) -> tuple[bytes, bytes]:
         """A helper span's name field ("process/thread") and thread.name field, named as
-        spans._helper_spans names them (the processes as the enricher's _helper_processes)."""
+        spans._helper_spans names them (the reader's own process and any other alike)."""
         thread = helper_thread_name(comm.split(b"\0", 1)[0])
-        if pid == reader:
-            exe = self.enricher.served(reader).resource.get("process.executable.name")
-            process = str(exe) if exe else f"pid {pid}"
-        else:
-            process = process_name(self.enricher.served(pid).resource, pid) if pid else "?"
+        process = process_name(self.enricher.served(pid).resource, pid) if pid else "?"
         name = utf8(f"{process}/{thread}")
         return T_SPAN_NAME + varint(len(name)) + name, _THREAD_NAME(thread)
 
@@ -608,7 +604,7 @@ class BatchWriter:
         """Appends the common records' spans to `spans`; returns the others, in order. When it
         raises, nothing was appended."""
         mine: list[ExportSpan] = []
-        rest = self._write(records, mine, None)
+        rest = self._write(records, mine, None, self.enricher.clock.offset_ns())
         spans += mine
         return rest
 
@@ -630,7 +626,7 @@ class BatchWriter:
         records: list[bytes],
         spans: list[ExportSpan],
         meta: list[tuple[int, int, int, int]] | None,
-        offset: int | None = None,
+        offset: int,
     ) -> list[bytes]:
         if _spans_batch is None:
             return records
@@ -645,7 +641,7 @@ class BatchWriter:
             self._conns,
             self._conn_fields,
             EncodedSpan,
-            self.enricher.clock.offset_ns() if offset is None else offset,
+            offset,
             os.urandom(8 * IDS_PER_RECORD * len(records)),
             _plan(self.opts),
             self._helper_fields,

@@ -68,7 +68,7 @@ from tracejoin.core.record import (
     WSIG_TLB_B,
 )
 from tracejoin.core.text import OTHER_METHOD, http_method, terminal_safe, url_path
-from tracejoin.enrich.enricher import EnrichedRecord
+from tracejoin.enrich.enricher import EnrichedRecord, process_name
 from tracejoin.kernel.decode import (
     REQF_FIRST_ON_CONN,
     REQF_NO_RESPONSE,
@@ -500,8 +500,7 @@ def _helper_spans(
             continue
         thread = helper_thread_name(m.comm_bytes())
         if m.pid == rec.pid:
-            exe = e.resource.get("process.executable.name")
-            process = str(exe) if exe else f"pid {m.pid}"
+            process = process_name(e.resource, m.pid)
         else:
             process = e.process_names.get(m.pid, f"pid {m.pid}" if m.pid else "?")
         end = max(m.leave_ns or rec.end_ns, m.join_ns)
