@@ -207,17 +207,19 @@ static __always_inline void note_runq_wait(struct tstat *t, u64 start, u64 now)
 }
 
 #ifdef WITH_SCHED
-TRACEPOINT_PROBE(sched, sched_switch)
+/* prev (the current thread) switches out, runnable or going to sleep; next switches in. */
+static __always_inline int on_switch(u32 prev, u32 next, int runnable)
 {
-    u64 now = bpf_ktime_get_ns();
-    u32 prev = args->prev_pid, next = args->next_pid;
-    struct tstat *t = threads.lookup(&prev);
+    /* most switches on a host: neither thread was ever tracked, and no clock is read */
+    struct tstat *t = thread_of(prev), *tn = thread_of(next);
+    u64 now = 0;
     if (t) {
+        now = bpf_ktime_get_ns();
         flush_oncpu(t, now);
         t->oncpu_ts = 0;
         t->tgid = bpf_get_current_pid_tgid() >> 32;     /* prev is still current here */
         acct(t, WSIG_SWITCHES, 1);
-        if ((args->prev_state & (TASK_REPORT_MAX_ - 1)) == 0) {
+        if (runnable) {
             t->queued_ts = now;         /* runnable (preempted, or yielded): still queued */
         } else {
             t->sleep_ts = now;
@@ -238,8 +240,10 @@ TRACEPOINT_PROBE(sched, sched_switch)
             acct(t, WSIG_TLB_B, ii - t->hw_i_in);
 #endif
     }
-    t = threads.lookup(&next);
+    t = tn;
     if (t) {
+        if (!now)
+            now = bpf_ktime_get_ns();
         if (t->queued_ts) {
             note_runq_wait(t, t->queued_ts, now);
             t->queued_ts = 0;
@@ -257,9 +261,40 @@ TRACEPOINT_PROBE(sched, sched_switch)
     return 0;
 }
 
+#ifdef TASK_PID_OFF
+/* Raw tracepoints where the kernel's BTF gave task_struct's pid offset: the program gets the
+ * tracepoint's own arguments, without the perf trace record a TRACEPOINT_PROBE has filled
+ * first (both comms, for sched_switch). These fire for every thread on the host, so that
+ * record was most of what an untracked thread's switch or wake-up cost
+ * (docs/performance.md). */
+static __always_inline u32 task_pid(u64 task)
+{
+    u32 pid = 0;
+    bpf_probe_read_kernel(&pid, sizeof(pid), (void *)task + TASK_PID_OFF);
+    return pid;
+}
+
+/* TP_PROTO(bool preempt, struct task_struct *prev, struct task_struct *next,
+ *          unsigned int prev_state) (5.18 on): prev stays runnable when preempted, or when it
+ * switched out in state TASK_RUNNING (a yield); any other state is a sleep. */
+RAW_TRACEPOINT_PROBE(sched_switch)
+{
+    int runnable = (u8)ctx->args[0] || (u32)ctx->args[3] == 0;
+    return on_switch((u32)bpf_get_current_pid_tgid(), task_pid(ctx->args[2]), runnable);
+}
+#else
+TRACEPOINT_PROBE(sched, sched_switch)
+{
+    /* prev_state here is the tracepoint's: TASK_REPORT_MAX when preempted, else a sleep
+     * state's bit, 0 for a yield */
+    return on_switch(args->prev_pid, args->next_pid,
+                     (args->prev_state & (TASK_REPORT_MAX_ - 1)) == 0);
+}
+#endif
+
 static __always_inline int on_wakeup(u32 pid)
 {
-    struct tstat *t = threads.lookup(&pid);
+    struct tstat *t = thread_of(pid);
     if (!t)
         return 0;
     u64 now = bpf_ktime_get_ns();
@@ -278,7 +313,12 @@ static __always_inline int on_wakeup(u32 pid)
     return 0;
 }
 
+#ifdef TASK_PID_OFF
+RAW_TRACEPOINT_PROBE(sched_wakeup) { return on_wakeup(task_pid(ctx->args[0])); }   /* (p) */
+#else
 TRACEPOINT_PROBE(sched, sched_wakeup) { return on_wakeup(args->pid); }
+#endif
+/* a classic tracepoint: the work set's raw program has the raw one (http_workset.h) */
 TRACEPOINT_PROBE(sched, sched_wakeup_new) { return on_wakeup(args->pid); }
 #endif
 
@@ -287,8 +327,7 @@ TRACEPOINT_PROBE(sched, sched_wakeup_new) { return on_wakeup(args->pid); }
  * which the exceptions:page_fault_user tracepoint (fired before the fault is handled) cannot. */
 int on_minflt(struct bpf_perf_event_data *ctx)
 {
-    u32 tid = (u32)bpf_get_current_pid_tgid();
-    struct tstat *t = threads.lookup(&tid);
+    struct tstat *t = thread_of((u32)bpf_get_current_pid_tgid());
     if (t)
         acct(t, WSIG_MINFLT, 1);
     return 0;
@@ -296,8 +335,7 @@ int on_minflt(struct bpf_perf_event_data *ctx)
 
 int on_majflt(struct bpf_perf_event_data *ctx)
 {
-    u32 tid = (u32)bpf_get_current_pid_tgid();
-    struct tstat *t = threads.lookup(&tid);
+    struct tstat *t = thread_of((u32)bpf_get_current_pid_tgid());
     if (t)
         acct(t, WSIG_MAJFLT, 1);
     return 0;
@@ -306,13 +344,12 @@ int on_majflt(struct bpf_perf_event_data *ctx)
 
 #if defined(WITH_TLB_FLUSH) && !defined(TLB_HW)
 /* Fallback without a PMU: TLB *flushes* involving this thread, not misses (see docs/attributes.md). */
-TRACEPOINT_PROBE(tlb, tlb_flush)
+RAW_TRACEPOINT_PROBE(tlb_flush)     /* TP_PROTO(int reason, unsigned long pages) */
 {
-    u32 tid = (u32)bpf_get_current_pid_tgid();
-    struct tstat *t = threads.lookup(&tid);
+    struct tstat *t = thread_of((u32)bpf_get_current_pid_tgid());
     if (t) {
         acct(t, WSIG_TLB_A, 1);
-        if (args->pages == (unsigned long)-1)
+        if (ctx->args[1] == (u64)-1)   /* a full flush */
             acct(t, WSIG_TLB_B, 1);
     }
     return 0;

@@ -21,6 +21,41 @@ static __always_inline void path_add(struct http_record *rec, u8 ch)
     }
 }
 
+/* Eight bytes of the path at once (state P_PATH), when none of them ends it or starts a
+ * parameter and they fit: what eight path_add() steps would do. -1: take the byte path. */
+static __always_inline int path_word(struct scratch *s, struct http_record *rec, u32 i)
+{
+    u64 x;
+    u32 pl = rec->path_len;
+    if (pl > HTTP_PATH_MAX - 8 || !word_at(s, i, &x))
+        return -1;
+    if (has_byte(x, ' ') | has_byte(x, '?') | has_byte(x, '#') | has_byte(x, '\r') |
+        has_byte(x, '\n') | has_byte(x, ';'))
+        return -1;
+    __builtin_memcpy(&rec->path[pl], &x, 8);
+    rec->path_len = pl + 8;
+    return 8;
+}
+
+/* Eight bytes of the traceparent value at once (states P_TP_OWS, P_TP_VALUE), when none of
+ * them ends the line or is whitespace and they fit in tp[]: what eight byte steps would do.
+ * The caller has checked that all eight are inside HDR_WINDOW. -1: take the byte path. */
+static __always_inline int tp_word(struct scratch *s, struct conn *c, struct http_record *rec,
+                                   u32 i)
+{
+    u64 x;
+    u32 pos = c->rq_tpraw;
+    if (pos > TP_CAP - 8 || !word_at(s, i, &x))
+        return -1;
+    if (has_byte(x, '\r') | has_byte(x, '\n') | has_byte(x, ' ') | has_byte(x, '\t'))
+        return -1;
+    __builtin_memcpy(&rec->tp[pos], &x, 8);
+    c->rq_tpraw = pos + 8;
+    rec->tp_len = pos + 8;
+    c->rq.state = P_TP_VALUE;
+    return 8;
+}
+
 /* Methods, raw (case-sensitive): the known set, checked whole. */
 enum { M_OTHER, M_KNOWN, M_HEAD, M_CONNECT, M_PRI };
 
@@ -257,12 +292,17 @@ static __always_inline int step_req(struct scratch *s, struct conn *c, struct ht
     int in_window = scanned < HDR_WINDOW;
     if (!in_window)
         rec->flags |= REQF_TP_WINDOW;
-    /* fast paths: 8 bytes of a skipped line at a time; a header name's first 8 at once */
+    /* fast paths: 8 bytes of a skipped line, of the path or of the traceparent value at a
+     * time; a header name's first 8 at once */
     int adv = -1;
     if (st == P_LINE_REST || st == P_SKIP_LINE)
         adv = no_lf8(s, i) ? 8 : -1;
     else if (st == P_LINE_START && !(p->hdr == H_TP && in_window))
         adv = name_word(s, p, i);
+    else if (st == P_PATH)
+        adv = path_word(s, rec, i);
+    else if ((st == P_TP_OWS || st == P_TP_VALUE) && scanned + 8 <= HDR_WINDOW)
+        adv = tp_word(s, c, rec, i);
     if (adv >= 0) {
         s->off = i + adv;
         c->rq_scanned = scanned + adv;

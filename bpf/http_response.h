@@ -39,6 +39,20 @@ static __always_inline void lose_response(struct scratch *s, struct conn *c, u64
     c->flags |= CONN_RESP_LOST;
 }
 
+/* A status line's first 8 bytes at once, "HTTP/1." and a digit: what the first eight P_STATUS
+ * steps check. -1: take the byte path (a split line, or anything else, which it rejects). */
+static __always_inline int version_word(struct scratch *s, struct hparse *p, u32 i)
+{
+    u64 x;
+    if (!word_at(s, i, &x))
+        return -1;
+    u8 minor = x >> 56;
+    if ((x & 0x00FFFFFFFFFFFFFFULL) != HTTP1_LE || minor < '0' || minor > '9')
+        return -1;
+    p->sub = 8;
+    return 8;
+}
+
 /* The header section ended: frame the body (RFC 9112 6.3). */
 static __always_inline int response_headers_end(struct conn *c, struct http_record *rec)
 {
@@ -95,12 +109,15 @@ static __always_inline int step_resp(struct scratch *s, struct conn *c, struct h
     }
     if (!visible(s, i))
         return STEP_RELOAD;
-    /* fast paths: 8 bytes of a skipped line at a time; a header name's first 8 at once */
+    /* fast paths: 8 bytes of a skipped line at a time; a header name's first 8 at once;
+     * "HTTP/1.x" at once */
     int adv = -1;
     if (st == P_LINE_REST || st == P_SKIP_LINE)
         adv = no_lf8(s, i) ? 8 : -1;
     else if (st == P_LINE_START)
         adv = name_word(s, p, i);
+    else if (st == P_STATUS && p->sub == 0)
+        adv = version_word(s, p, i);
     if (adv >= 0) {
         s->off = i + adv;
         rec->resp_bytes += adv;

@@ -30,15 +30,31 @@ static __always_inline int visible(struct scratch *s, u32 i)
     return i - s->base < s->n;
 }
 
-/* True when the 8 bytes at i are in the window and none is '\n': a line being skipped moves on
- * 8 bytes per step instead of one (a word load and the classic has-zero-byte test). */
-static __always_inline int no_lf8(struct scratch *s, u32 i)
+/* The 8 bytes at i, little-endian, into *w: false when they are not all in the window. */
+static __always_inline int word_at(struct scratch *s, u32 i, u64 *w)
 {
     u32 at = i - s->base;
     if (at + 8 > s->n)
         return 0;
-    u64 x = *(u64 *)&s->buf[at & (SCRATCH_SIZE - 1)] ^ 0x0a0a0a0a0a0a0a0aULL;
-    return !((x - 0x0101010101010101ULL) & ~x & 0x8080808080808080ULL);
+    *w = *(u64 *)&s->buf[at & (SCRATCH_SIZE - 1)];
+    return 1;
+}
+
+/* Nonzero when some byte of x is ch: the classic has-zero-byte test on x ^ ch..ch, exact about
+ * whether (not which). The fast paths below test a word for the bytes that would end what they
+ * copy or skip, and take it whole when none is there, instead of eight one-byte steps. */
+static __always_inline u64 has_byte(u64 x, u8 ch)
+{
+    u64 y = x ^ (0x0101010101010101ULL * ch);
+    return (y - 0x0101010101010101ULL) & ~y & 0x8080808080808080ULL;
+}
+
+/* True when the 8 bytes at i are in the window and none is '\n': a line being skipped moves on
+ * 8 bytes per step instead of one. */
+static __always_inline int no_lf8(struct scratch *s, u32 i)
+{
+    u64 x;
+    return word_at(s, i, &x) && !has_byte(x, '\n');
 }
 
 /* States that skip bytes by count and never look at them: no window needed. */

@@ -63,6 +63,24 @@ static __always_inline void flush_tlb_hw(struct tstat *t)
 }
 #endif
 
+/* Bit tid of known_tids is set before `threads` first gets an entry for tid, and never
+ * cleared: a clear bit means no entry. The programs that run for every thread on the host
+ * (scheduler, faults, TLB) ask thread_of(), so a thread the agent never tracked costs them one
+ * array read instead of a hash lookup that misses. One bit per possible thread id
+ * (PID_MAX_LIMIT, 4M): 512 KiB. Bits of tracked threads that exited stay set; the lookup
+ * behind them then misses, as every lookup did before. */
+#define TID_WORDS (4194304 / 64)
+BPF_ARRAY(known_tids, u64, TID_WORDS);
+
+static __always_inline struct tstat *thread_of(u32 tid)
+{
+    u32 w = tid / 64;
+    u64 *bits = known_tids.lookup(&w);
+    if (!bits || !(*bits & (1ULL << (tid & 63))))
+        return 0;
+    return threads.lookup(&tid);
+}
+
 /* The thread's totals, created zeroed when missing. `running`: it is the current thread, so its
  * on-CPU slice starts now; otherwise it is being woken (it sleeps until sched_wakeup says not). */
 static __always_inline struct tstat *thread_for(u32 tid, int running, u64 now)
@@ -74,6 +92,11 @@ static __always_inline struct tstat *thread_for(u32 tid, int running, u64 now)
     struct tstat *zero = zero_thread.lookup(&z);
     if (!zero)
         return 0;
+    u32 w = tid / 64;
+    u64 *bits = known_tids.lookup(&w);
+    if (!bits)
+        return 0;
+    __sync_fetch_and_or(bits, 1ULL << (tid & 63));
     threads.insert(&tid, zero);
     t = threads.lookup(&tid);
     if (!t)
@@ -609,25 +632,30 @@ static __always_inline int in_irq_ctx(void)
 
 /* BCC attaches an entry before its exit: an interrupt that enters between the two leaves the
  * depth one too high, which IRQ_STALE_NS undoes (in_irq_ctx). */
-TRACEPOINT_PROBE(irq, irq_handler_exit) { irq_depth(0); return 0; }
-TRACEPOINT_PROBE(timer, hrtimer_expire_exit) { irq_depth(0); return 0; }
-TRACEPOINT_PROBE(irq, softirq_exit)
+/* All raw tracepoints: they only mark the context, and a raw one skips the perf trace record.
+ * softirq_entry/exit's argument is (unsigned int vec_nr). */
+static __always_inline int not_net_softirq(u64 vec)
 {
-    if (args->vec != NET_RX_SOFTIRQ_ && args->vec != NET_TX_SOFTIRQ_)
+    return vec != NET_RX_SOFTIRQ_ && vec != NET_TX_SOFTIRQ_;
+}
+RAW_TRACEPOINT_PROBE(irq_handler_exit) { irq_depth(0); return 0; }
+RAW_TRACEPOINT_PROBE(hrtimer_expire_exit) { irq_depth(0); return 0; }
+RAW_TRACEPOINT_PROBE(softirq_exit)
+{
+    if (not_net_softirq(ctx->args[0]))
         irq_depth(0);
     return 0;
 }
 #ifdef WITH_IRQ_VECTORS
-/* x86: irq_work runs in its own interrupt (a BPF ring buffer or perf wakeup is one). Raw
- * tracepoints: these refuse a perf-event attachment here. */
+/* x86: irq_work runs in its own interrupt (a BPF ring buffer or perf wakeup is one). */
 RAW_TRACEPOINT_PROBE(irq_work_exit) { irq_depth(0); return 0; }
 RAW_TRACEPOINT_PROBE(irq_work_entry) { irq_depth(1); return 0; }
 #endif
-TRACEPOINT_PROBE(irq, irq_handler_entry) { irq_depth(1); return 0; }
-TRACEPOINT_PROBE(timer, hrtimer_expire_entry) { irq_depth(1); return 0; }
-TRACEPOINT_PROBE(irq, softirq_entry)
+RAW_TRACEPOINT_PROBE(irq_handler_entry) { irq_depth(1); return 0; }
+RAW_TRACEPOINT_PROBE(hrtimer_expire_entry) { irq_depth(1); return 0; }
+RAW_TRACEPOINT_PROBE(softirq_entry)
 {
-    if (args->vec != NET_RX_SOFTIRQ_ && args->vec != NET_TX_SOFTIRQ_)
+    if (not_net_softirq(ctx->args[0]))
         irq_depth(1);
     return 0;
 }
@@ -751,8 +779,7 @@ BPF_PROG_ARRAY(ws_progs, 1);    /* [0]: ws_wake_prog, loaded by user space */
 
 static __always_inline int ws_wake_entry(struct bpf_raw_tracepoint_args *ctx)
 {
-    u32 me = (u32)bpf_get_current_pid_tgid();
-    struct tstat *t = threads.lookup(&me);
+    struct tstat *t = thread_of((u32)bpf_get_current_pid_tgid());
     if (t && (t->nopen || t->nreplied))
         ws_progs.call(ctx, 0);
     return 0;

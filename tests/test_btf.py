@@ -157,7 +157,9 @@ def test_workset_off_says_why_and_drops_its_knobs(require_root, cfg, why):
     knobs, signals = _plan(cfg)
     assert signals["workset"] == why
     assert "WITH_WORKSET" not in knobs
-    assert not set(probes.TASK_MEMBERS.values()) & set(knobs)
+    # the pid offset stays for the scheduler's raw tracepoints, where sched is on
+    assert set(probes.TASK_MEMBERS.values()) & set(knobs) <= {"TASK_PID_OFF"}
+    assert ("TASK_PID_OFF" in knobs) == ("WITH_SCHED" in knobs)
 
 
 @pytest.mark.privileged
@@ -169,6 +171,51 @@ def test_workset_off_without_btf(require_root, monkeypatch):
     knobs, signals = _plan(ProbeConfig())
     assert signals["workset"].startswith("off: task_struct offsets not found in the kernel's BTF")
     assert "WITH_WORKSET" not in knobs and "WITH_SCHED" in knobs
+    assert "TASK_PID_OFF" not in knobs  # the scheduler's programs: classic tracepoints
+
+
+@pytest.mark.privileged
+def test_sched_without_btf_attaches_classic_tracepoints_that_still_measure(
+    require_root, monkeypatch
+):
+    """Without BTF the scheduler programs read the pids from the perf trace record instead of
+    the tasks: a run-queue wait behind a spinner on the server's CPU is still measured."""
+    from harness import Agent, free_ports, new_traceparent, raw_request, server
+
+    def no_btf(*_a: object, **_k: object) -> dict[str, int]:
+        raise BtfError("cannot read /sys/kernel/btf/vmlinux: gone")
+
+    monkeypatch.setattr(probes, "member_offsets", no_btf)
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs 2 CPUs to pin the server and its spinner apart from the agent")
+    cpu = (os.cpu_count() or 2) - 1
+    (port,) = free_ports(1)
+    agent = Agent([port], None)
+    agent.start()
+    try:
+        bpf = agent.pipeline.source._bpf
+        assert b"sched:sched_switch" in bpf.tracepoint_fds
+        assert b"sched:sched_wakeup" in bpf.tracepoint_fds
+        assert b"sched_switch" not in bpf.raw_tracepoint_fds
+        with server("threaded", port, cpu=cpu):
+            hog = subprocess.Popen(["taskset", "-c", str(cpu), "python3", "-c", "while 1: pass"])
+            try:
+                waits = []
+                for _ in range(3):
+                    tp, trace_id, _ = new_traceparent()
+                    raw_request(
+                        port,
+                        f"GET /spin?ms=40 HTTP/1.1\r\nHost: t\r\ntraceparent: {tp}\r\n"
+                        "Connection: close\r\n\r\n".encode(),
+                    )
+                    (span,) = agent.server_spans(trace_id)
+                    waits.append(span.attributes["tracejoin.sched.runq_wait_ns"])
+            finally:
+                hog.kill()
+                hog.wait()
+        assert max(waits) > 5e6, waits  # sharing one CPU with a spinner: milliseconds
+    finally:
+        agent.shutdown()
 
 
 def _btf(types: bytes, strings: bytes, type_len: int | None = None) -> bytes:

@@ -505,6 +505,39 @@ def test_path_parameters_are_not_copied(fx):
     assert "SESSIONSECRET" not in repr(span.name) + repr(span.attributes)
 
 
+# The path is copied 8 bytes at a time where none of them ends it (bpf/http_request.h
+# path_word): lengths around the word and the 96-byte cap, and each byte that ends the path or
+# starts a parameter at every offset of a word, must give what byte-at-a-time copying gives.
+PATH_CAP = 96
+
+
+def _path_cases() -> list[tuple[str, str, bool]]:
+    """(target sent, url.path expected, truncated)."""
+    cases = []
+    for n in (7, 8, 9, 15, 16, 17, 88, 89, 95, 96, 97, 104, 130):
+        target = "/" + "".join(chr(ord("a") + i % 26) for i in range(n - 1))
+        cases.append((target, target[:PATH_CAP], n > PATH_CAP))
+    for stop in "?#;":
+        for at in range(1, 10):
+            head = "/" + "p" * (at - 1)
+            target = head + stop + "tail/more"
+            want = head + ("/more" if stop == ";" else "")
+            cases.append((target, want, False))
+    return cases
+
+
+@pytest.mark.parametrize(("target", "want", "truncated"), _path_cases())
+def test_path_copy_at_word_edges(fx, target, want, truncated):
+    s = new_sent("/edge")
+    req = f"GET {target} HTTP/1.1\r\nHost: t\r\n".encode() + tp_header(s) + b"\r\n"
+    c = Client(fx.go_port)
+    assert c.request(req) in (200, 404)
+    c.close()
+    span = fx.span_of(s)
+    assert span.attributes["url.path"] == want
+    assert span.attributes.get("tracejoin.http.path_truncated", False) is truncated
+
+
 def test_methods_are_checked_whole(fx):
     """A method outside the known set is reported as _OTHER; bytes that are not a token never
     make a method (nor a request): `DELE\\x1bc` is not DELETE."""

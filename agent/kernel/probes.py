@@ -389,6 +389,7 @@ class HttpProbes:
             "RUNQ_THRESHOLD_NS": int(cfg.runq_threshold_ns),
             "WAKE_EVERY": wake_every(_ncpus()),
         }
+        task: dict[str, int] | str = "sched is off"  # task_struct's offsets, or why not
         for sig in OPTIONAL_SIGNALS:
             absent = [
                 tp for tp in sig.tracepoints if not tracepoint_exists(tp, cfg.disabled_tracepoints)
@@ -399,11 +400,15 @@ class HttpProbes:
                 self.status.signals[sig.name] = "off: disabled by configuration"
             elif sig.name == "workset" and "WITH_SCHED" not in knobs:
                 self.status.signals[sig.name] = "off: needs the sched signal"
-            elif sig.name == "workset" and (why := _workset_knobs(knobs, cfg.disabled_tracepoints)):
+            elif sig.name == "workset" and (
+                why := _workset_knobs(knobs, task, cfg.disabled_tracepoints)
+            ):
                 self.status.signals[sig.name] = f"off: {why}"
             else:
                 self.status.signals[sig.name] = "on"
                 knobs[sig.define] = None
+                if sig.name == "sched":
+                    task = _sched_knobs(knobs)
         if cfg.cuda:
             if "WITH_WORKSET" in knobs:
                 self.status.signals["cuda"] = "on"
@@ -798,13 +803,29 @@ def _record_pids(batch: list[bytes]) -> set[int]:
     return out
 
 
-def _workset_knobs(knobs: dict[str, int | None], disabled: frozenset[str]) -> str | None:
-    """Add the knobs the work set needs (task_struct offsets, the agent's pid, the x86 irq_work
-    tracepoints when present); or say why it cannot load."""
+def _sched_knobs(knobs: dict[str, int | None]) -> dict[str, int] | str:
+    """task_struct's offsets from the kernel's BTF (TASK_MEMBERS; or why there are none), read
+    once for the scheduler and the work set. With them the scheduler programs are raw
+    tracepoints that read the next and the woken task's pid themselves and skip the perf trace
+    record (bpf/http_enrich.h); without, classic tracepoints that see the same, at more cost
+    per event."""
     try:
         offsets = member_offsets("task_struct", tuple(TASK_MEMBERS))
     except BtfError as exc:
-        return f"task_struct offsets not found in the kernel's BTF ({exc})"
+        log.info("sched: classic tracepoints (no task_struct offsets in the kernel's BTF: %s)", exc)
+        return str(exc)
+    knobs["TASK_PID_OFF"] = offsets["pid"]
+    return offsets
+
+
+def _workset_knobs(
+    knobs: dict[str, int | None], task: dict[str, int] | str, disabled: frozenset[str]
+) -> str | None:
+    """Add the knobs the work set needs (task_struct offsets, the agent's pid, the x86 irq_work
+    tracepoints when present); or say why it cannot load."""
+    if isinstance(task, str):
+        return f"task_struct offsets not found in the kernel's BTF ({task})"
+    offsets = task
     for member, knob in TASK_MEMBERS.items():
         knobs[knob] = offsets[member]
     if all(tracepoint_exists(tp, disabled) for tp in IRQ_VECTOR_TRACEPOINTS):

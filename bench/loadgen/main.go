@@ -2,6 +2,7 @@
 //
 //	tj-loadgen rate -addr 127.0.0.1:8080 -path / -rate 5000 -duration 5s -conns 32
 //	tj-loadgen syscall -n 2000000
+//	tj-loadgen switch -n 200000
 //
 // rate: an open-loop, constant-rate HTTP/1.1 client. Request i is due at start + i/rate,
 // whether or not earlier ones have been answered (no coordinated omission): a due request goes
@@ -20,7 +21,13 @@
 // byte to /dev/null, and getppid(2) (a syscall tracejoin does not probe: the control). Raw
 // syscalls, no Go scheduler hooks: the cost is the kernel's plus any attached BPF programs'.
 //
-// Both print one JSON object on stdout.
+// switch: ns per round trip of one byte between this process and a copy of it over two
+// pipes, each side blocking in read(2) until the other writes: two context switches, two
+// writes and two reads per round trip, on whatever CPUs the caller allows (pin to one CPU to
+// measure the switches). Neither process is traced: what tracejoin adds is the cost of its
+// scheduler and syscall-exit programs to every thread on the host.
+//
+// Each prints one JSON object on stdout (switch-peer, the copy, prints nothing).
 package main
 
 import (
@@ -31,6 +38,7 @@ import (
 	"math/rand"
 	"net"
 	"os"
+	"os/exec"
 	"runtime"
 	"sort"
 	"strconv"
@@ -43,7 +51,7 @@ const sysEpollPwait2 = 441 // x86_64 and arm64 share the generic number since 5.
 
 func main() {
 	if len(os.Args) < 2 {
-		fmt.Fprintln(os.Stderr, "usage: tj-loadgen rate|syscall [flags]")
+		fmt.Fprintln(os.Stderr, "usage: tj-loadgen rate|syscall|switch [flags]")
 		os.Exit(2)
 	}
 	var out any
@@ -53,6 +61,11 @@ func main() {
 		out, err = rateMain(os.Args[2:])
 	case "syscall":
 		out, err = syscallMain(os.Args[2:])
+	case "switch":
+		out, err = switchMain(os.Args[2:])
+	case "switch-peer":
+		switchPeer()
+		return
 	default:
 		err = fmt.Errorf("unknown mode %q", os.Args[1])
 	}
@@ -503,4 +516,85 @@ func syscallMain(args []string) (*syscallResult, error) {
 		}
 	})
 	return res, nil
+}
+
+// ------------------------------------------------------------------------------ switch
+
+type switchResult struct {
+	Mode      string  `json:"mode"`
+	RoundTrip int     `json:"round_trips"`
+	Rounds    int     `json:"rounds"`
+	SwitchNs  float64 `json:"round_trip_ns"` // median over rounds
+}
+
+func switchMain(args []string) (*switchResult, error) {
+	fs := flag.NewFlagSet("switch", flag.ContinueOnError)
+	n := fs.Int("n", 200_000, "round trips per measurement")
+	rounds := fs.Int("rounds", 5, "measurements; the median is reported")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	runtime.LockOSThread()
+	var ping, pong [2]int // blocking pipes: [0] reads, [1] writes
+	if err := syscall.Pipe2(ping[:], syscall.O_CLOEXEC); err != nil {
+		return nil, err
+	}
+	if err := syscall.Pipe2(pong[:], syscall.O_CLOEXEC); err != nil {
+		return nil, err
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	peer := exec.Command(self, "switch-peer")
+	// fd 3 in the peer: read pings; fd 4: write pongs
+	peer.ExtraFiles = []*os.File{
+		os.NewFile(uintptr(ping[0]), "ping"), os.NewFile(uintptr(pong[1]), "pong"),
+	}
+	peer.Stderr = os.Stderr
+	if err := peer.Start(); err != nil {
+		return nil, err
+	}
+	syscall.Close(ping[0])
+	syscall.Close(pong[1])
+	w, r := ping[1], pong[0]
+	var one [1]byte
+	trip := func() bool {
+		if _, err := syscall.Write(w, one[:]); err != nil {
+			return false
+		}
+		m, err := syscall.Read(r, one[:])
+		return err == nil && m == 1
+	}
+	per := make([]float64, *rounds)
+	for i := range per {
+		t := time.Now()
+		for j := 0; j < *n; j++ {
+			if !trip() {
+				return nil, fmt.Errorf("the peer stopped answering")
+			}
+		}
+		per[i] = float64(time.Since(t).Nanoseconds()) / float64(*n)
+	}
+	syscall.Close(w) // the peer reads EOF and exits
+	if err := peer.Wait(); err != nil {
+		return nil, err
+	}
+	sort.Float64s(per)
+	return &switchResult{Mode: "switch", RoundTrip: *n, Rounds: *rounds, SwitchNs: per[len(per)/2]}, nil
+}
+
+// switchPeer answers each byte on fd 3 with one on fd 4, until fd 3 is closed.
+func switchPeer() {
+	runtime.LockOSThread()
+	var one [1]byte
+	for {
+		m, err := syscall.Read(3, one[:])
+		if err != nil || m != 1 {
+			return
+		}
+		if _, err := syscall.Write(4, one[:]); err != nil {
+			return
+		}
+	}
 }
