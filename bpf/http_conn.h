@@ -426,15 +426,19 @@ static __always_inline int is_tcp(u16 family, u16 protocol)
     return (family == AF_INET_ || family == AF_INET6_) && protocol == IPPROTO_TCP_;
 }
 
+/* A classic tracepoint, as sock_send_length: both tail-call the scanners, which the syscall
+ * exits (classic tracepoints) tail-call too, and a program array takes one program type. */
 TRACEPOINT_PROBE(sock, sock_recv_length)
 {
     if (args->ret <= 0 || !is_tcp(args->family, args->protocol) || (args->flags & MSG_PEEK_))
         return 0;
+    u64 sk = (u64)args->sk;
+    struct conn *c = conns.lookup(&sk);
+    if (c && (c->flags & (CONN_IGNORED | CONN_UNTRUSTED)))
+        return 0;               /* before the syscall's arguments are read: a client's reads */
     struct syscall_io io;
     if (syscall_io(&io) != DIR_RD)
         return 0;
-    u64 sk = (u64)args->sk;
-    struct conn *c = conns.lookup(&sk);
     if (!c) {
         /* A connection from before we started (or evicted): track it without its tuple;
          * user space resolves the tuple from the fd. */

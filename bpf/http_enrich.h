@@ -357,9 +357,11 @@ RAW_TRACEPOINT_PROBE(tlb_flush)     /* TP_PROTO(int reason, unsigned long pages)
 #endif
 
 #ifdef WITH_RECVQ
-TRACEPOINT_PROBE(sock, sk_data_ready)
+/* Every socket's data arrival on the host: a raw tracepoint, TP_PROTO(const struct sock *sk),
+ * so no perf trace record is filled for the sockets that are not ours. */
+RAW_TRACEPOINT_PROBE(sk_data_ready)
 {
-    u64 sk = (u64)args->skaddr;
+    u64 sk = ctx->args[0];
     struct conn *c = conns.lookup(&sk);
     if (c && c->arrival_ns == 0)
         c->arrival_ns = bpf_ktime_get_ns();

@@ -145,7 +145,7 @@ def test_ebpf_command_prints_exactly_the_text_that_is_compiled(require_root):
     for name in ("http_record.h", "http_conn.h", "http_request.h", "http_response.h"):
         assert f"/* ---- bpf/{name} ---- */" in src
     assert "#define WITH_RECVQ" in src.splitlines()
-    assert "TRACEPOINT_PROBE(sock, sk_data_ready)" in src
+    assert "RAW_TRACEPOINT_PROBE(sk_data_ready)" in src
     assert "sched_switch" not in src  # its signal is off: its program is not compiled
     assert "#ifdef" not in src.replace("#ifdef TRACEJOIN", "")
 
