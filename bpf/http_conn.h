@@ -353,28 +353,67 @@ TRACEPOINT_PROBE(tcp, tcp_destroy_sock)
 }
 
 #ifdef WITH_TUPLE_AT_READ
-/* Fires inside every TCP read that copied data, before sock_recv_length, with the socket and
- * its 4-tuple: a connection older than the agent, or evicted from `conns`, gets its tuple (and
- * the port filter) here rather than from /proc. Only a read the scanners would read, by a
- * thread the pid/comm filters let through, creates state. */
+/* Fires inside every TCP read that copied data, before sock_recv_length, with the socket: a
+ * connection older than the agent, or evicted from `conns`, gets its tuple (and the port
+ * filter) here rather than from /proc. Only a read the scanners would read, by a thread the
+ * pid/comm filters let through, creates state. Returns the state whose tuple to fill, or 0. */
+static __always_inline struct conn *wants_tuple(u64 sk)
+{
+    struct conn *c = conns.lookup(&sk);
+    if (c)
+        return (c->flags & CONN_TUPLE) ? 0 : c;
+    struct syscall_io io;
+    if (syscall_io(&io) != DIR_RD)
+        return 0;
+    struct conn fresh = {};
+    fresh.conn_id = new_conn_id();
+    fresh.rs.state = P_STATUS;
+    conns.update(&sk, &fresh);
+    return conns.lookup(&sk);
+}
+
+static __always_inline void tuple_filled(struct conn *c)
+{
+    c->flags |= CONN_TUPLE;
+#ifdef FILTER_PORT
+    u16 port = c->lport;
+    if (!filter_port.lookup(&port))
+        c->flags |= CONN_IGNORED;
+#endif
+}
+
+#ifdef SK_FAMILY_OFF
+/* A raw tracepoint, TP_PROTO(struct sock *sk): the tuple is read from the socket at the
+ * offsets the kernel's BTF gave (struct sock_common, at the start of struct sock), only when
+ * it is needed, instead of a perf trace record filled at every read on the host. */
+RAW_TRACEPOINT_PROBE(tcp_rcv_space_adjust)
+{
+    u64 sk = ctx->args[0];
+    struct conn *c = wants_tuple(sk);
+    if (!c)
+        return 0;
+    u16 family = 0, dport = 0;
+    bpf_probe_read_kernel(&family, sizeof(family), (void *)(sk + SK_FAMILY_OFF));
+    bpf_probe_read_kernel(&c->lport, sizeof(c->lport), (void *)(sk + SK_NUM_OFF));  /* host order */
+    bpf_probe_read_kernel(&dport, sizeof(dport), (void *)(sk + SK_DPORT_OFF));      /* network */
+    c->family = family;
+    c->rport = __builtin_bswap16(dport);
+    if (family == AF_INET_) {
+        bpf_probe_read_kernel(c->laddr, 4, (void *)(sk + SK_RCV_SADDR_OFF));
+        bpf_probe_read_kernel(c->raddr, 4, (void *)(sk + SK_DADDR_OFF));
+    } else {
+        bpf_probe_read_kernel(c->laddr, 16, (void *)(sk + SK_V6_RCV_SADDR_OFF));
+        bpf_probe_read_kernel(c->raddr, 16, (void *)(sk + SK_V6_DADDR_OFF));
+    }
+    tuple_filled(c);
+    return 0;
+}
+#else
 TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
 {
-    u64 sk = (u64)args->skaddr;
-    struct conn *c = conns.lookup(&sk);
-    if (c && (c->flags & CONN_TUPLE))
+    struct conn *c = wants_tuple((u64)args->skaddr);
+    if (!c)
         return 0;
-    if (!c) {
-        struct syscall_io io;
-        if (syscall_io(&io) != DIR_RD)
-            return 0;
-        struct conn fresh = {};
-        fresh.conn_id = new_conn_id();
-        fresh.rs.state = P_STATUS;
-        conns.update(&sk, &fresh);
-        c = conns.lookup(&sk);
-        if (!c)
-            return 0;
-    }
     c->family = args->family;
     c->lport = args->sport;
     c->rport = args->dport;
@@ -385,14 +424,10 @@ TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
         __builtin_memcpy(c->laddr, args->saddr_v6, 16);
         __builtin_memcpy(c->raddr, args->daddr_v6, 16);
     }
-    c->flags |= CONN_TUPLE;
-#ifdef FILTER_PORT
-    u16 port = args->sport;
-    if (!filter_port.lookup(&port))
-        c->flags |= CONN_IGNORED;
-#endif
+    tuple_filled(c);
     return 0;
 }
+#endif
 #endif
 
 /* ---------------------------------------------------------------- socket data */

@@ -379,18 +379,44 @@ TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
     return 0;
 }
 
+static __always_inline void tcp_sample(struct conn *c, u32 srtt_us, u32 snd_nxt, u32 snd_una)
+{
+    c->srtt_us = srtt_us;
+    u32 inflight = snd_nxt - snd_una;
+    if (inflight > c->unacked_max)
+        c->unacked_max = inflight;
+}
+
+#ifdef TCP_SRTT_OFF
+/* Every TCP segment received on the host: a raw tracepoint, TP_PROTO(struct sock *sk,
+ * struct sk_buff *skb), so the segments of connections that are not ours fill no perf trace
+ * record; tcp_sock's fields are read, at the offsets the kernel's BTF gave, only for ours. */
+static __always_inline u32 sk_u32(u64 sk, u32 off)
+{
+    u32 v = 0;
+    bpf_probe_read_kernel(&v, sizeof(v), (void *)(sk + off));
+    return v;
+}
+
+RAW_TRACEPOINT_PROBE(tcp_probe)
+{
+    u64 sk = ctx->args[0];
+    struct conn *c = conns.lookup(&sk);
+    if (c)                      /* srtt_us is kept <<3, as the tracepoint's srtt undoes */
+        tcp_sample(c, sk_u32(sk, TCP_SRTT_OFF) >> 3, sk_u32(sk, TCP_SND_NXT_OFF),
+                   sk_u32(sk, TCP_SND_UNA_OFF));
+    return 0;
+}
+#else
 TRACEPOINT_PROBE(tcp, tcp_probe)
 {
     u64 sk = (u64)args->skaddr;
     struct conn *c = conns.lookup(&sk);
-    if (c) {
-        c->srtt_us = args->srtt;
-        u32 inflight = args->snd_nxt - args->snd_una;
-        if (inflight > c->unacked_max)
-            c->unacked_max = inflight;
-    }
+    if (c)
+        tcp_sample(c, args->srtt, args->snd_nxt, args->snd_una);
     return 0;
 }
+#endif
 #endif
 
 /* Tail call PROG_RUN_NOTES from a probed syscall's exit (syscall_exit() in http_conn.h): verified once,

@@ -279,3 +279,45 @@ def test_malformed_type_sections_raise_btf_error(
     f.write_bytes(_btf(types, b"\0task\0", type_len))
     with pytest.raises(BtfError, match=error):
         member_offsets("task", ("flags",), f)
+
+
+@pytest.mark.privileged
+@pytest.mark.parametrize("btf", [True, False], ids=["raw tracepoints", "no BTF: classic"])
+def test_socket_programs_read_the_tuple_and_rtt_with_or_without_btf(require_root, monkeypatch, btf):
+    """tcp_rcv_space_adjust and tcp_probe are raw tracepoints reading the socket at the BTF's
+    offsets, or classic ones reading the perf trace record: either way a keep-alive connection
+    opened before the agent started gets its 4-tuple (and the port filter) from the kernel,
+    and its request an RTT. /proc is taken away, so the tuple can only be the kernel's."""
+    from harness import Agent, free_ports, server
+    from hostile import Conn, get_bytes, new_sent
+    from tracejoin.enrich import correlate
+
+    if not btf:
+
+        def no_btf(*_a: object, **_k: object) -> dict[str, int]:
+            raise BtfError("cannot read /sys/kernel/btf/vmlinux: gone")
+
+        monkeypatch.setattr(probes, "member_offsets", no_btf)
+    monkeypatch.setattr(correlate.ConnectionTable, "_resolve", lambda *_a: None)
+    (port,) = free_ports(1)
+    with server("go", port):
+        early = Conn(port)  # before the agent: no inet_sock_set_state for it
+        agent = Agent([port], None)
+        agent.start()
+        try:
+            bpf = agent.pipeline.source._bpf
+            for tp in ("tcp_rcv_space_adjust", "tcp_probe"):
+                raw, classic = tp.encode(), b"tcp:" + tp.encode()
+                assert (raw in bpf.raw_tracepoint_fds) is btf, tp
+                assert (classic in bpf.tracepoint_fds) is not btf, tp
+            s = new_sent("/early")
+            assert early.request(get_bytes(s)) == 200
+            (span,) = agent.server_spans(s.trace_id)
+            attrs = span.attributes
+            host, cport = early.sock.getsockname()
+            assert (attrs["client.address"], attrs["client.port"]) == (host, cport)
+            assert attrs["server.port"] == port
+            assert attrs.get("tracejoin.tcp.srtt_us", 0) > 0
+        finally:
+            early.close()
+            agent.shutdown()

@@ -151,6 +151,24 @@ OPTIONAL_TRACEPOINTS: tuple[str, ...] = tuple(
     tp for sig in OPTIONAL_SIGNALS for tp in sig.tracepoints
 )
 
+# struct sock_common members tcp_rcv_space_adjust reads as a raw tracepoint (bpf/http_conn.h),
+# by knob; sock_common is struct sock's __sk_common
+SOCK_COMMON_MEMBERS = {
+    "skc_family": "SK_FAMILY_OFF",
+    "skc_num": "SK_NUM_OFF",
+    "skc_dport": "SK_DPORT_OFF",
+    "skc_rcv_saddr": "SK_RCV_SADDR_OFF",
+    "skc_daddr": "SK_DADDR_OFF",
+    "skc_v6_rcv_saddr": "SK_V6_RCV_SADDR_OFF",
+    "skc_v6_daddr": "SK_V6_DADDR_OFF",
+}
+# struct tcp_sock members tcp_probe reads as a raw tracepoint (bpf/http_enrich.h), by knob
+TCP_SOCK_MEMBERS = {
+    "srtt_us": "TCP_SRTT_OFF",
+    "snd_nxt": "TCP_SND_NXT_OFF",
+    "snd_una": "TCP_SND_UNA_OFF",
+}
+
 # Every macro the planner may define. Conditionals on these are resolved when the source is
 # rendered, so `tracejoin ebpf` shows only the code that is compiled; a conditional on anything
 # else (an include guard) is left to the compiler.
@@ -169,6 +187,8 @@ KNOBS = frozenset(
         "TASK_PID_OFF",
         "TASK_TGID_OFF",
         "TASK_COMM_OFF",
+        *SOCK_COMMON_MEMBERS.values(),
+        *TCP_SOCK_MEMBERS.values(),
         "WITH_IRQ_VECTORS",
         "WITH_CUDA",
         "CUDA_SYNC_THRESHOLD_NS",
@@ -409,6 +429,8 @@ class HttpProbes:
                 knobs[sig.define] = None
                 if sig.name == "sched":
                     task = _sched_knobs(knobs)
+                elif sig.name in ("tuple_at_read", "tcp_stats"):
+                    _socket_knobs(knobs, sig.name)
         if cfg.cuda:
             if "WITH_WORKSET" in knobs:
                 self.status.signals["cuda"] = "on"
@@ -816,6 +838,27 @@ def _sched_knobs(knobs: dict[str, int | None]) -> dict[str, int] | str:
         return str(exc)
     knobs["TASK_PID_OFF"] = offsets["pid"]
     return offsets
+
+
+def _socket_knobs(knobs: dict[str, int | None], signal: str) -> None:
+    """The socket offsets that make `signal`'s per-packet program a raw tracepoint (it reads
+    the socket only for our connections, and no perf trace record is filled for the others):
+    struct sock_common's tuple for tuple_at_read, tcp_sock's RTT and sequence numbers for
+    tcp_stats. Without BTF (or a member) it stays a classic tracepoint that sees the same."""
+    try:
+        if signal == "tuple_at_read":
+            common = member_offsets("sock", ("__sk_common",))["__sk_common"]
+            found = member_offsets("sock_common", tuple(SOCK_COMMON_MEMBERS))
+            offsets = {knob: common + found[m] for m, knob in SOCK_COMMON_MEMBERS.items()}
+        else:
+            found = member_offsets("tcp_sock", tuple(TCP_SOCK_MEMBERS))
+            offsets = {knob: found[m] for m, knob in TCP_SOCK_MEMBERS.items()}
+    except BtfError as exc:
+        log.info(
+            "%s: a classic tracepoint (socket offsets not in the kernel's BTF: %s)", signal, exc
+        )
+        return
+    knobs.update(offsets)
 
 
 def _workset_knobs(
