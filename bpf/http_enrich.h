@@ -402,7 +402,9 @@ RAW_TRACEPOINT_PROBE(tcp_probe)
 {
     u64 sk = ctx->args[0];
     struct conn *c = conns.lookup(&sk);
-    if (c)                      /* srtt_us is kept <<3, as the tracepoint's srtt undoes */
+    /* an ignored connection (a client's, another port's) makes no record: no reads for it;
+     * srtt_us is kept <<3, as the classic tracepoint's srtt undoes */
+    if (c && !(c->flags & CONN_IGNORED))
         tcp_sample(c, sk_u32(sk, TCP_SRTT_OFF) >> 3, sk_u32(sk, TCP_SND_NXT_OFF),
                    sk_u32(sk, TCP_SND_UNA_OFF));
     return 0;
@@ -412,7 +414,7 @@ TRACEPOINT_PROBE(tcp, tcp_probe)
 {
     u64 sk = (u64)args->skaddr;
     struct conn *c = conns.lookup(&sk);
-    if (c)
+    if (c && !(c->flags & CONN_IGNORED))
         tcp_sample(c, args->srtt, args->snd_nxt, args->snd_una);
     return 0;
 }
