@@ -465,6 +465,50 @@ def agent_beside_go_server() -> Iterator[tuple[int, AgentRun]]:
             agent.stop()
 
 
+@contextlib.contextmanager
+def probes_from(src: Path, ports: tuple[int, ...]) -> Iterator[None]:
+    """The probes compiled from the bpf/ sources in `src` (this tree's, or another checkout's),
+    loaded in this process with a port filter, their records read and dropped by a thread;
+    unloaded after. For the tools that compare trees in one run (--against)."""
+    from tracejoin.core.metrics import Metrics
+    from tracejoin.kernel import probes
+
+    original = probes.bpf_source_dir
+    probes.bpf_source_dir = lambda: src  # type: ignore[assignment]
+    try:
+        p = probes.HttpProbes(probes.ProbeConfig(ports=ports), Metrics())
+        p.start()
+    finally:
+        probes.bpf_source_dir = original  # type: ignore[assignment]
+    stop = threading.Event()
+    reader = threading.Thread(target=lambda: [p.poll(50) for _ in iter(stop.is_set, True)])
+    reader.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        reader.join()
+        p.shutdown()
+
+
+def add_against(ap: Any) -> None:
+    """--against DIR (repeatable) on an argparse parser: bpf/ trees to compare with this one."""
+    ap.add_argument(
+        "--against",
+        type=Path,
+        action="append",
+        default=[],
+        help="another bpf/ source directory to compare (repeatable)",
+    )
+
+
+def source_trees(against: list[Path]) -> dict[str, Path]:
+    """{label: bpf/ directory}: this tree's first, then each --against."""
+    from tracejoin.kernel import probes
+
+    return {"this tree": probes.bpf_source_dir(), **{str(d): d for d in against}}
+
+
 def _tmpfs() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") else None
 

@@ -15,12 +15,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import threading
 import time
 from pathlib import Path
-
-from tracejoin.core.metrics import Metrics
-from tracejoin.kernel import probes
 
 from bench import measure as m
 from tests.harness import free_ports, server
@@ -41,41 +37,31 @@ def _chunked(port: int, n: int) -> None:
 
 def measure(src: Path, ports: tuple[int, int], requests: int) -> dict[str, dict[str, float]]:
     """{workload: {program: ns per hit}} for the sources in `src`."""
-    original = probes.bpf_source_dir
-    probes.bpf_source_dir = lambda: src  # type: ignore[assignment]
-    try:
-        p = probes.HttpProbes(probes.ProbeConfig(ports=ports), Metrics())
-        p.start()
-    finally:
-        probes.bpf_source_dir = original  # type: ignore[assignment]
-    stop = threading.Event()
-    reader = threading.Thread(target=lambda: [p.poll(50) for _ in iter(stop.is_set, True)])
-    reader.start()
+    with m.probes_from(src, ports):
+        return _per_hit(ports, requests)
+
+
+def _per_hit(ports: tuple[int, int], requests: int) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
-    try:
-        ids = m.own_prog_ids(os.getpid())
-        go, py = ports
-        for name, run in (
-            ("go keep-alive", lambda: keepalive_load(go, requests, conns=2)),
-            ("python keep-alive", lambda: keepalive_load(py, requests, conns=2)),
-            ("go chunked x20", lambda: _chunked(go, requests // 4)),
-        ):
-            before = m.prog_stats(ids)
-            run()
-            time.sleep(0.3)
-            after = m.prog_stats(ids)
-            row = {}
-            for pid, b in after.items():
-                if b["name"] in PROGRAMS or any(b["name"] == n[:15] for n in PROGRAMS):
-                    a = before.get(pid, {"run_time_ns": 0, "run_cnt": 0})
-                    hits = b["run_cnt"] - a["run_cnt"]
-                    if hits:
-                        row[b["name"]] = (b["run_time_ns"] - a["run_time_ns"]) / hits
-            out[name] = row
-    finally:
-        stop.set()
-        reader.join()
-        p.shutdown()
+    ids = m.own_prog_ids(os.getpid())
+    go, py = ports
+    for name, run in (
+        ("go keep-alive", lambda: keepalive_load(go, requests, conns=2)),
+        ("python keep-alive", lambda: keepalive_load(py, requests, conns=2)),
+        ("go chunked x20", lambda: _chunked(go, requests // 4)),
+    ):
+        before = m.prog_stats(ids)
+        run()
+        time.sleep(0.3)
+        after = m.prog_stats(ids)
+        row = {}
+        for pid, b in after.items():
+            if b["name"] in PROGRAMS or any(b["name"] == n[:15] for n in PROGRAMS):
+                a = before.get(pid, {"run_time_ns": 0, "run_cnt": 0})
+                hits = b["run_cnt"] - a["run_cnt"]
+                if hits:
+                    row[b["name"]] = (b["run_time_ns"] - a["run_time_ns"]) / hits
+        out[name] = row
     return out
 
 
@@ -83,16 +69,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument(
-        "--against",
-        type=Path,
-        action="append",
-        default=[],
-        help="another bpf/ source directory to compare (repeatable)",
-    )
+    m.add_against(ap)
     args = ap.parse_args()
-    variants = {"this tree": probes.bpf_source_dir()}
-    variants.update({str(d): d for d in args.against})
+    variants = m.source_trees(args.against)
     stats = m.BpfStatsSwitch()
     results: dict[str, dict[str, dict[str, list[float]]]] = {k: {} for k in variants}
     go, py = free_ports(2)

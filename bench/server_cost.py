@@ -20,11 +20,7 @@ import argparse
 import os
 import statistics
 import threading
-from collections.abc import Callable
 from pathlib import Path
-
-from tracejoin.core.metrics import Metrics
-from tracejoin.kernel import probes
 
 from bench import measure as m
 from tests.harness import free_ports
@@ -50,41 +46,15 @@ def cpu_per_request(server_pid: int, port: int, rate: float, seconds: float) -> 
     return (c1 - c0) / max(1, done) * 1e6
 
 
-def with_probes(src: Path, port: int, run: Callable[[], float]) -> float:
-    original = probes.bpf_source_dir
-    probes.bpf_source_dir = lambda: src  # type: ignore[assignment]
-    try:
-        p = probes.HttpProbes(probes.ProbeConfig(ports=(port,)), Metrics())
-        p.start()
-    finally:
-        probes.bpf_source_dir = original  # type: ignore[assignment]
-    stop = threading.Event()
-    reader = threading.Thread(target=lambda: [p.poll(50) for _ in iter(stop.is_set, True)])
-    reader.start()
-    try:
-        return run()
-    finally:
-        stop.set()
-        reader.join()
-        p.shutdown()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", type=float, default=20_000, help="requests a second, open loop")
     ap.add_argument("--seconds", type=float, default=3.0, help="each phase's measured window")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument(
-        "--against",
-        type=Path,
-        action="append",
-        default=[],
-        help="another bpf/ source directory to compare (repeatable)",
-    )
+    m.add_against(ap)
     args = ap.parse_args()
     os.sched_setaffinity(0, {LOAD_CPU})
-    variants = {"this tree": probes.bpf_source_dir()}
-    variants.update({str(d): d for d in args.against})
+    variants = m.source_trees(args.against)
     (port,) = free_ports(1)
     nothing: list[float] = []
     got: dict[str, list[float]] = {k: [] for k in variants}
@@ -97,7 +67,8 @@ def main() -> int:
         for _ in range(args.rounds):
             nothing.append(run())
             for label, src in variants.items():
-                got[label].append(with_probes(Path(src), port, run))
+                with m.probes_from(Path(src), (port,)):
+                    got[label].append(run())
     base = statistics.median(nothing)
     print(
         f"Go server's CPU per request at {args.rate:,.0f} req/s open loop "

@@ -20,12 +20,8 @@ import json
 import os
 import statistics
 import subprocess
-import threading
 from pathlib import Path
 from typing import Any
-
-from tracejoin.core.metrics import Metrics
-from tracejoin.kernel import probes
 
 from bench import measure as m
 from tests.harness import free_ports
@@ -45,17 +41,7 @@ def with_probes(
     """(ns per round trip, the BPF table per round trip) with the probes from `src` loaded: the
     time with bpf_stats off (its clock reads cost more than some programs), then the table
     from a second run with it on."""
-    original = probes.bpf_source_dir
-    probes.bpf_source_dir = lambda: src  # type: ignore[assignment]
-    try:
-        p = probes.HttpProbes(probes.ProbeConfig(ports=(port,)), Metrics())
-        p.start()
-    finally:
-        probes.bpf_source_dir = original  # type: ignore[assignment]
-    stop = threading.Event()
-    reader = threading.Thread(target=lambda: [p.poll(50) for _ in iter(stop.is_set, True)])
-    reader.start()
-    try:
+    with m.probes_from(src, (port,)):
         ids = m.own_prog_ids(os.getpid())
         round_trip_ns(trips // 10)  # warm: the first wakes of a freshly loaded set
         ns = round_trip_ns(trips)
@@ -64,10 +50,6 @@ def with_probes(
         round_trip_ns(trips)
         table = m.bpf_table(before, m.prog_stats(ids), trips)
         stats.restore()
-    finally:
-        stop.set()
-        reader.join()
-        p.shutdown()
     return ns, table
 
 
@@ -75,17 +57,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trips", type=int, default=200_000, help="round trips per measurement")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument(
-        "--against",
-        type=Path,
-        action="append",
-        default=[],
-        help="another bpf/ source directory to compare (repeatable)",
-    )
+    m.add_against(ap)
     args = ap.parse_args()
     os.sched_setaffinity(0, {0})  # the agent's side, as in bench.run; the pair runs on CPU1
-    variants = {"this tree": probes.bpf_source_dir()}
-    variants.update({str(d): d for d in args.against})
+    variants = m.source_trees(args.against)
     (port,) = free_ports(1)
     nothing: list[float] = []
     got: dict[str, list[tuple[float, dict[str, Any]]]] = {k: [] for k in variants}
