@@ -873,7 +873,8 @@ def check_headers(root: Path, release: str) -> Check:
     else:
         detail = (
             f"present ({target}), {version or 'unknown version'} headers, do not match running "
-            f"{release}; OK because probes read only tracepoint arguments"
+            f"{release}; OK because probes read only tracepoint arguments and fields at the "
+            "offsets the running kernel's BTF gives"
         )
     return Check("kernel headers", "Build", Status.AVAILABLE, detail, data=data)
 
