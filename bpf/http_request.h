@@ -292,11 +292,11 @@ static __always_inline int step_req(struct scratch *s, struct conn *c, struct ht
     int in_window = scanned < HDR_WINDOW;
     if (!in_window)
         rec->flags |= REQF_TP_WINDOW;
-    /* fast paths: 8 bytes of a skipped line, of the path or of the traceparent value at a
-     * time; a header name's first 8 at once */
+    /* fast paths, 8 bytes a step: a skipped line (to its end), the path, the traceparent
+     * value; a header name's first 8 at once */
     int adv = -1;
     if (st == P_LINE_REST || st == P_SKIP_LINE)
-        adv = no_lf8(s, i) ? 8 : -1;
+        adv = skip_line_word(s, p, i);
     else if (st == P_LINE_START && !(p->hdr == H_TP && in_window))
         adv = name_word(s, p, i);
     else if (st == P_PATH)

@@ -109,11 +109,11 @@ static __always_inline int step_resp(struct scratch *s, struct conn *c, struct h
     }
     if (!visible(s, i))
         return STEP_RELOAD;
-    /* fast paths: 8 bytes of a skipped line at a time; a header name's first 8 at once;
+    /* fast paths: a skipped line 8 bytes a step (to its end); a header name's first 8 and
      * "HTTP/1.x" at once */
     int adv = -1;
     if (st == P_LINE_REST || st == P_SKIP_LINE)
-        adv = no_lf8(s, i) ? 8 : -1;
+        adv = skip_line_word(s, p, i);
     else if (st == P_LINE_START)
         adv = name_word(s, p, i);
     else if (st == P_STATUS && p->sub == 0)

@@ -49,12 +49,24 @@ static __always_inline u64 has_byte(u64 x, u8 ch)
     return (y - 0x0101010101010101ULL) & ~y & 0x8080808080808080ULL;
 }
 
-/* True when the 8 bytes at i are in the window and none is '\n': a line being skipped moves on
- * 8 bytes per step instead of one. */
-static __always_inline int no_lf8(struct scratch *s, u32 i)
+/* A line being skipped (P_LINE_REST, P_SKIP_LINE), 8 bytes per step: all 8 when none is '\n',
+ * else up to and including the first '\n', where the next line starts (P_LINE_START), as the
+ * one-byte steps would. Returns the bytes taken, or -1 when fewer than 8 are in the window. */
+static __always_inline int skip_line_word(struct scratch *s, struct hparse *p, u32 i)
 {
     u64 x;
-    return word_at(s, i, &x) && !has_byte(x, '\n');
+    if (!word_at(s, i, &x))
+        return -1;
+    u64 lf = has_byte(x, '\n');
+    if (!lf)
+        return 8;
+    /* has_byte flags no byte below the first match, so the lowest flag is the first '\n':
+     * 0x80 << 8k for the k-th byte, and k is how many byte boundaries lie below it */
+    u64 low = lf & -lf;
+    int k = (low > 0xffULL) + (low > 0xffffULL) + (low > 0xffffffULL) + (low > 0xffffffffULL) +
+            (low > 0xffffffffffULL) + (low > 0xffffffffffffULL) + (low > 0xffffffffffffffULL);
+    p->state = P_LINE_START;
+    return k + 1;
 }
 
 /* States that skip bytes by count and never look at them: no window needed. */

@@ -538,6 +538,24 @@ def test_path_copy_at_word_edges(fx, target, want, truncated):
     assert span.attributes.get("tracejoin.http.path_truncated", False) is truncated
 
 
+@pytest.mark.parametrize("pad", range(17))
+def test_skipped_line_ends_at_every_offset_of_a_word(fx, pad):
+    """A skipped header line is taken 8 bytes a step up to its LF (bpf/http_scan.h
+    skip_line_word): with the LF at each offset of a word (a bare LF too), the next line's name
+    is still read from its first byte, so the traceparent after it is found."""
+    s = new_sent(f"/skip/{pad}")
+    eol = "\n" if pad % 2 else "\r\n"
+    req = (
+        f"GET {s.path} HTTP/1.1\r\nHost: t\r\nX-Pad: {'a' * pad}{eol}".encode()
+        + tp_header(s)
+        + b"\r\n"
+    )
+    c = Client(fx.go_port)
+    assert c.request(req) == 200
+    c.close()
+    assert fx.span_of(s).attributes["url.path"] == s.path
+
+
 def test_methods_are_checked_whole(fx):
     """A method outside the known set is reported as _OTHER; bytes that are not a token never
     make a method (nor a request): `DELE\\x1bc` is not DELETE."""
