@@ -388,6 +388,15 @@ struct sc_args {
 #define PT_REGS_PSTATE_AT 264   /* struct pt_regs: pstate, orig_x0, syscallno */
 #endif
 
+/* The u32 of kernel memory at addr: a field at an offset the kernel's BTF gave (a task's pid,
+ * a socket's RTT); 0 when it cannot be read. */
+static __always_inline u32 kernel_u32(u64 addr)
+{
+    u32 v = 0;
+    bpf_probe_read_kernel(&v, sizeof(v), (void *)addr);
+    return v;
+}
+
 /* The current thread's syscall and arguments, as it made them from user space: 0 for a
  * kernel or io_uring worker thread (their registers are zeroed) and for a 32-bit syscall,
  * whose numbers differ. */

@@ -267,12 +267,6 @@ static __always_inline int on_switch(u32 prev, u32 next, int runnable)
  * first (both comms, for sched_switch). These fire for every thread on the host, so that
  * record was most of what an untracked thread's switch or wake-up cost
  * (docs/performance.md). */
-static __always_inline u32 task_pid(u64 task)
-{
-    u32 pid = 0;
-    bpf_probe_read_kernel(&pid, sizeof(pid), (void *)task + TASK_PID_OFF);
-    return pid;
-}
 
 /* TP_PROTO(bool preempt, struct task_struct *prev, struct task_struct *next,
  *          unsigned int prev_state) (5.18 on): prev stays runnable when preempted, or when it
@@ -280,7 +274,8 @@ static __always_inline u32 task_pid(u64 task)
 RAW_TRACEPOINT_PROBE(sched_switch)
 {
     int runnable = (u8)ctx->args[0] || (u32)ctx->args[3] == 0;
-    return on_switch((u32)bpf_get_current_pid_tgid(), task_pid(ctx->args[2]), runnable);
+    return on_switch((u32)bpf_get_current_pid_tgid(), kernel_u32(ctx->args[2] + TASK_PID_OFF),
+                     runnable);
 }
 #else
 TRACEPOINT_PROBE(sched, sched_switch)
@@ -314,7 +309,10 @@ static __always_inline int on_wakeup(u32 pid)
 }
 
 #ifdef TASK_PID_OFF
-RAW_TRACEPOINT_PROBE(sched_wakeup) { return on_wakeup(task_pid(ctx->args[0])); }   /* (p) */
+RAW_TRACEPOINT_PROBE(sched_wakeup)     /* TP_PROTO(struct task_struct *p) */
+{
+    return on_wakeup(kernel_u32(ctx->args[0] + TASK_PID_OFF));
+}
 #else
 TRACEPOINT_PROBE(sched, sched_wakeup) { return on_wakeup(args->pid); }
 #endif
@@ -391,13 +389,6 @@ static __always_inline void tcp_sample(struct conn *c, u32 srtt_us, u32 snd_nxt,
 /* Every TCP segment received on the host: a raw tracepoint, TP_PROTO(struct sock *sk,
  * struct sk_buff *skb), so the segments of connections that are not ours fill no perf trace
  * record; tcp_sock's fields are read, at the offsets the kernel's BTF gave, only for ours. */
-static __always_inline u32 sk_u32(u64 sk, u32 off)
-{
-    u32 v = 0;
-    bpf_probe_read_kernel(&v, sizeof(v), (void *)(sk + off));
-    return v;
-}
-
 RAW_TRACEPOINT_PROBE(tcp_probe)
 {
     u64 sk = ctx->args[0];
@@ -405,8 +396,8 @@ RAW_TRACEPOINT_PROBE(tcp_probe)
     /* an ignored connection (a client's, another port's) makes no record: no reads for it;
      * srtt_us is kept <<3, as the classic tracepoint's srtt undoes */
     if (c && !(c->flags & CONN_IGNORED))
-        tcp_sample(c, sk_u32(sk, TCP_SRTT_OFF) >> 3, sk_u32(sk, TCP_SND_NXT_OFF),
-                   sk_u32(sk, TCP_SND_UNA_OFF));
+        tcp_sample(c, kernel_u32(sk + TCP_SRTT_OFF) >> 3, kernel_u32(sk + TCP_SND_NXT_OFF),
+                   kernel_u32(sk + TCP_SND_UNA_OFF));
     return 0;
 }
 #else

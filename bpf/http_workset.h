@@ -72,10 +72,16 @@ static __always_inline void flush_tlb_hw(struct tstat *t)
 #define TID_WORDS (4194304 / 64)
 BPF_ARRAY(known_tids, u64, TID_WORDS);
 
-static __always_inline struct tstat *thread_of(u32 tid)
+/* The word of known_tids that holds tid's bit (1ULL << (tid & 63)). */
+static __always_inline u64 *tid_word(u32 tid)
 {
     u32 w = tid / 64;
-    u64 *bits = known_tids.lookup(&w);
+    return known_tids.lookup(&w);
+}
+
+static __always_inline struct tstat *thread_of(u32 tid)
+{
+    u64 *bits = tid_word(tid);
     if (!bits || !(*bits & (1ULL << (tid & 63))))
         return 0;
     return threads.lookup(&tid);
@@ -92,8 +98,7 @@ static __always_inline struct tstat *thread_for(u32 tid, int running, u64 now)
     struct tstat *zero = zero_thread.lookup(&z);
     if (!zero)
         return 0;
-    u32 w = tid / 64;
-    u64 *bits = known_tids.lookup(&w);
+    u64 *bits = tid_word(tid);
     if (!bits)
         return 0;
     __sync_fetch_and_or(bits, 1ULL << (tid & 63));
@@ -630,10 +635,10 @@ static __always_inline int in_irq_ctx(void)
     return 1;
 }
 
-/* BCC attaches an entry before its exit: an interrupt that enters between the two leaves the
- * depth one too high, which IRQ_STALE_NS undoes (in_irq_ctx). */
-/* All raw tracepoints: they only mark the context, and a raw one skips the perf trace record.
- * softirq_entry/exit's argument is (unsigned int vec_nr). */
+/* Raw tracepoints: they only mark the context, and a raw one fills no perf trace record
+ * (softirq_entry/exit's argument is unsigned int vec_nr). An entry may attach before its exit:
+ * an interrupt that enters between the two leaves the depth one too high, which IRQ_STALE_NS
+ * undoes (in_irq_ctx). */
 static __always_inline int not_net_softirq(u64 vec)
 {
     return vec != NET_RX_SOFTIRQ_ && vec != NET_TX_SOFTIRQ_;
@@ -699,8 +704,7 @@ static __always_inline int ws_wake(void *p)
         return 0;
     if (in_irq_ctx())
         return 0;
-    u32 wakee = 0;
-    bpf_probe_read_kernel(&wakee, sizeof(wakee), p + TASK_PID_OFF);
+    u32 wakee = kernel_u32((u64)p + TASK_PID_OFF);
     if (wakee == me || wakee == 0)
         return 0;
     t->tgid = id >> 32;
@@ -747,9 +751,8 @@ static __always_inline int ws_wake(void *p)
              * request's member (a lock or GIL hand-off between two handlers, a proxy's upstream
              * call reaching a server traced on its own) does not make it this one's helper. */
             struct tstat *known = threads.lookup(&wakee);
-            u32 flags = 0;
-            bpf_probe_read_kernel(&flags, sizeof(flags), p + TASK_FLAGS_OFF);
-            bpf_probe_read_kernel(&wakee_pid, sizeof(wakee_pid), p + TASK_TGID_OFF);
+            u32 flags = kernel_u32((u64)p + TASK_FLAGS_OFF);
+            wakee_pid = kernel_u32((u64)p + TASK_TGID_OFF);
             may_join = !(known && known->reading) && ws_may_join(t, id, flags, wakee_pid);
             if (!may_join)
                 break;
