@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from tracejoin.core.metrics import Metrics
 from tracejoin.kernel import probes
-from tracejoin.kernel.btf import VMLINUX_BTF, BtfError, member_offsets
+from tracejoin.kernel.btf import VMLINUX_BTF, BtfError, member_offsets, struct_offsets
 from tracejoin.kernel.probes import HttpProbes, ProbeConfig
 
 STRINGS = b"\0int\0a\0b\0task\0flags\0bits\0"
@@ -54,6 +54,18 @@ def test_a_bitfield_or_a_missing_member_is_refused(tmp_path: Path) -> None:
         member_offsets("task", ("nope",), f)
     with pytest.raises(BtfError, match="not in"):
         member_offsets("other", ("a",), f)
+
+
+def test_several_structs_in_one_pass_each_with_its_own_answer(tmp_path: Path) -> None:
+    """struct_offsets (the planner's one read of the blob) answers per struct: offsets for the
+    one that is there, the reason for each that is not, as member_offsets would raise it."""
+    f = tmp_path / "btf"
+    f.write_bytes(_blob())
+    got = struct_offsets({"task": ("flags", "b"), "other": ("a",)}, f)
+    assert got["task"] == {"flags": 0, "b": 12}
+    assert isinstance(got["other"], BtfError) and "not in" in str(got["other"])
+    got = struct_offsets({"task": ("flags", "nope")}, f)
+    assert isinstance(got["task"], BtfError) and "no member nope" in str(got["task"])
 
 
 @pytest.mark.parametrize(
@@ -167,7 +179,7 @@ def test_workset_off_without_btf(require_root, monkeypatch):
     def no_btf(*_a: object, **_k: object) -> dict[str, int]:
         raise BtfError("cannot read /sys/kernel/btf/vmlinux: gone")
 
-    monkeypatch.setattr(probes, "member_offsets", no_btf)
+    monkeypatch.setattr(probes, "struct_offsets", no_btf)
     knobs, signals = _plan(ProbeConfig())
     assert signals["workset"].startswith("off: task_struct offsets not found in the kernel's BTF")
     assert "WITH_WORKSET" not in knobs and "WITH_SCHED" in knobs
@@ -185,7 +197,7 @@ def test_sched_without_btf_attaches_classic_tracepoints_that_still_measure(
     def no_btf(*_a: object, **_k: object) -> dict[str, int]:
         raise BtfError("cannot read /sys/kernel/btf/vmlinux: gone")
 
-    monkeypatch.setattr(probes, "member_offsets", no_btf)
+    monkeypatch.setattr(probes, "struct_offsets", no_btf)
     if (os.cpu_count() or 1) < 2:
         pytest.skip("needs 2 CPUs to pin the server and its spinner apart from the agent")
     cpu = (os.cpu_count() or 2) - 1
@@ -297,7 +309,7 @@ def test_socket_programs_read_the_tuple_and_rtt_with_or_without_btf(require_root
         def no_btf(*_a: object, **_k: object) -> dict[str, int]:
             raise BtfError("cannot read /sys/kernel/btf/vmlinux: gone")
 
-        monkeypatch.setattr(probes, "member_offsets", no_btf)
+        monkeypatch.setattr(probes, "struct_offsets", no_btf)
     monkeypatch.setattr(correlate.ConnectionTable, "_resolve", lambda *_a: None)
     (port,) = free_ports(1)
     with server("go", port):

@@ -45,7 +45,7 @@ from tracejoin.core.record import (
     WsMember,
 )
 from tracejoin.kernel import compiled, ring
-from tracejoin.kernel.btf import BtfError, member_offsets
+from tracejoin.kernel.btf import BtfError, struct_offsets
 from tracejoin.kernel.cuda import CudaProbes, load_apis
 from tracejoin.kernel.perf import perf_event_open_check
 from tracejoin.kernel.ring import RingReader, RingWakeups
@@ -204,6 +204,16 @@ TASK_MEMBERS = {
     "pid": "TASK_PID_OFF",
     "tgid": "TASK_TGID_OFF",
     "comm": "TASK_COMM_OFF",
+}
+# Every struct whose offsets the planner may pass to the programs, read in one pass over the
+# kernel's BTF (_kernel_structs): the work set's and the scheduler's task_struct members, and
+# the raw socket tracepoints' (tuple_at_read: sock_common at struct sock's __sk_common;
+# tcp_stats: tcp_sock)
+KERNEL_STRUCTS = {
+    "task_struct": tuple(TASK_MEMBERS),
+    "sock": ("__sk_common",),
+    "sock_common": tuple(SOCK_COMMON_MEMBERS),
+    "tcp_sock": tuple(TCP_SOCK_MEMBERS),
 }
 CFLAGS = ("-Wno-macro-redefined",)
 # bpf_loop callbacks of bpf/http.c, named in C by LOOP_CB(fn) and linked by the loader
@@ -410,6 +420,7 @@ class HttpProbes:
             "WAKE_EVERY": wake_every(_ncpus()),
         }
         task: dict[str, int] | str = "sched is off"  # task_struct's offsets, or why not
+        structs: dict[str, dict[str, int] | BtfError] = {}  # read once, when first needed
         for sig in OPTIONAL_SIGNALS:
             absent = [
                 tp for tp in sig.tracepoints if not tracepoint_exists(tp, cfg.disabled_tracepoints)
@@ -427,10 +438,12 @@ class HttpProbes:
             else:
                 self.status.signals[sig.name] = "on"
                 knobs[sig.define] = None
+                if sig.name in ("sched", "tuple_at_read", "tcp_stats"):
+                    structs = structs or _kernel_structs()
                 if sig.name == "sched":
-                    task = _sched_knobs(knobs)
+                    task = _sched_knobs(knobs, structs)
                 elif sig.name in ("tuple_at_read", "tcp_stats"):
-                    _socket_knobs(knobs, sig.name)
+                    _socket_knobs(knobs, sig.name, structs)
         if cfg.cuda:
             if "WITH_WORKSET" in knobs:
                 self.status.signals["cuda"] = "on"
@@ -825,40 +838,53 @@ def _record_pids(batch: list[bytes]) -> set[int]:
     return out
 
 
-def _sched_knobs(knobs: dict[str, int | None]) -> dict[str, int] | str:
-    """task_struct's offsets from the kernel's BTF (TASK_MEMBERS; or why there are none), read
-    once for the scheduler and the work set. With them the scheduler programs are raw
-    tracepoints that read the next and the woken task's pid themselves and skip the perf trace
-    record (bpf/http_enrich.h); without, classic tracepoints that see the same, at more cost
-    per event."""
+def _kernel_structs() -> dict[str, dict[str, int] | BtfError]:
+    """KERNEL_STRUCTS' member offsets from one read of the kernel's BTF: per struct, its
+    offsets or the error saying why there are none (a blob that cannot be read: every one)."""
     try:
-        offsets = member_offsets("task_struct", tuple(TASK_MEMBERS))
+        return struct_offsets(KERNEL_STRUCTS)
     except BtfError as exc:
-        log.info("sched: classic tracepoints (no task_struct offsets in the kernel's BTF: %s)", exc)
-        return str(exc)
+        return dict.fromkeys(KERNEL_STRUCTS, exc)
+
+
+def _sched_knobs(
+    knobs: dict[str, int | None], structs: dict[str, dict[str, int] | BtfError]
+) -> dict[str, int] | str:
+    """task_struct's offsets (TASK_MEMBERS), or why there are none, for the scheduler and the
+    work set. With them the scheduler programs are raw tracepoints that read the next and the
+    woken task's pid themselves and skip the perf trace record (bpf/http_enrich.h); without,
+    classic tracepoints that see the same, at more cost per event."""
+    offsets = structs["task_struct"]
+    if isinstance(offsets, BtfError):
+        log.info(
+            "sched: classic tracepoints (no task_struct offsets in the kernel's BTF: %s)", offsets
+        )
+        return str(offsets)
     knobs["TASK_PID_OFF"] = offsets["pid"]
     return offsets
 
 
-def _socket_knobs(knobs: dict[str, int | None], signal: str) -> None:
+def _socket_knobs(
+    knobs: dict[str, int | None], signal: str, structs: dict[str, dict[str, int] | BtfError]
+) -> None:
     """The socket offsets that make `signal`'s per-packet program a raw tracepoint (it reads
     the socket only for our connections, and no perf trace record is filled for the others):
     struct sock_common's tuple for tuple_at_read, tcp_sock's RTT and sequence numbers for
     tcp_stats. Without BTF (or a member) it stays a classic tracepoint that sees the same."""
-    try:
-        if signal == "tuple_at_read":
-            common = member_offsets("sock", ("__sk_common",))["__sk_common"]
-            found = member_offsets("sock_common", tuple(SOCK_COMMON_MEMBERS))
-            offsets = {knob: common + found[m] for m, knob in SOCK_COMMON_MEMBERS.items()}
-        else:
-            found = member_offsets("tcp_sock", tuple(TCP_SOCK_MEMBERS))
-            offsets = {knob: found[m] for m, knob in TCP_SOCK_MEMBERS.items()}
-    except BtfError as exc:
-        log.info(
-            "%s: a classic tracepoint (socket offsets not in the kernel's BTF: %s)", signal, exc
-        )
-        return
-    knobs.update(offsets)
+    if signal == "tuple_at_read":
+        sock, common = structs["sock"], structs["sock_common"]
+        if isinstance(sock, dict) and isinstance(common, dict):
+            base = sock["__sk_common"]
+            knobs.update({knob: base + common[m] for m, knob in SOCK_COMMON_MEMBERS.items()})
+            return
+        why = sock if isinstance(sock, BtfError) else common
+    else:
+        tcp = structs["tcp_sock"]
+        if isinstance(tcp, dict):
+            knobs.update({knob: tcp[m] for m, knob in TCP_SOCK_MEMBERS.items()})
+            return
+        why = tcp
+    log.info("%s: a classic tracepoint (socket offsets not in the kernel's BTF: %s)", signal, why)
 
 
 def _workset_knobs(
