@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from tracejoin.kernel import probes
@@ -102,7 +103,7 @@ def main() -> int:
                 target=m.wrk, args=(port, "/", args.conns, args.seconds + 3, LOAD_CPU, -10)
             )
             load.start()
-            threading.Event().wait(2.0)
+            time.sleep(2.0)
             record = ["perf", "record", "-q", "-F", "4999", "-C", str(SERVER_CPU), "-g"]
             record += ["-o", str(data), "--", "sleep", str(args.seconds)]
             subprocess.run(record, check=True, capture_output=True)
