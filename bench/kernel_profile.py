@@ -6,7 +6,8 @@ saturation with the probes loaded.
 The Go test server alone on CPU1, wrk (a unique traceparent per request) and this process on
 CPU0, the probes loaded here (port filter on the server; records read and dropped). After a
 2-second warm-up, `perf record -C 1 -F 4999 -g` samples CPU1 while wrk runs on; the stacks are
-sorted into: each BPF program that was entered (its tail calls and helpers included), the map
+sorted into: each BPF program that was entered (its tail calls and helpers included), where
+inside them the sample landed (a program's own code or the kernel function it called), the map
 operations inside them, and the classic tracepoints' dispatch outside any program (the perf
 trace record, `trace_call_bpf`, `perf_syscall_exit`). Percentages are of CPU1's samples.
 cpu-clock sampling cannot land where interrupts are off, so programs that run there (the
@@ -72,18 +73,20 @@ def breakdown(samples: list[list[str]]) -> dict[str, collections.Counter[str]]:
     """Sample counts: by the BPF program entered (outermost), by map operation, and by the
     tracepoint dispatch outside programs."""
     entered: collections.Counter[str] = collections.Counter()
+    leaves: collections.Counter[str] = collections.Counter()
     maps: collections.Counter[str] = collections.Counter()
     dispatch: collections.Counter[str] = collections.Counter()
     for st in samples:
         progs = [s for s in st if _PROG.match(s)]
         if progs:
             entered[_PROG.sub("", progs[-1])] += 1
+            leaves[_PROG.sub("", st[0]) + ("" if _PROG.match(st[0]) else " (helper)")] += 1
             if any(k in st[0] for k in _MAP_OPS):
                 op = next((s for s in st if s.startswith(("htab_", "__htab"))), st[0])
                 maps[op] += 1
         elif st[0] in _DISPATCH or st[0].startswith("perf_trace_"):
             dispatch[st[0]] += 1
-    return {"entered": entered, "maps": maps, "dispatch": dispatch}
+    return {"entered": entered, "leaves": leaves, "maps": maps, "dispatch": dispatch}
 
 
 def main() -> int:
@@ -118,6 +121,9 @@ def main() -> int:
     print(f"outside them {100 * in_dispatch / n:.1f} %")
     print("by the program entered (its tail calls, callbacks and helpers included):")
     for name, c in parts["entered"].most_common(16):
+        print(f"  {100 * c / n:5.2f} %  {name}")
+    print("where it lands: a program's own instructions, or the kernel function it called:")
+    for name, c in parts["leaves"].most_common(16):
         print(f"  {100 * c / n:5.2f} %  {name}")
     print(f"map operations inside programs: {100 * sum(parts['maps'].values()) / n:.2f} %")
     for name, c in parts["maps"].most_common(6):

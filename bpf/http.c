@@ -168,6 +168,9 @@ struct conn {
     u8 laddr[16], raddr[16];
     u8 family;
     u8 flags;                   /* CONN_* */
+    u8 slot_of[MAX_PENDING];    /* by seq % MAX_PENDING: an open tracked request's slot (h1_slot) */
+    u8 slots_busy;              /* bit per slot: held by an open request */
+    u8 slots_used;              /* bit per slot: ever held (tcp_destroy_sock deletes them) */
 };
 
 struct req_key {
@@ -195,7 +198,8 @@ struct syscall_io {
 #define WS_NOTE_CLOSE 2
 struct ws_note {
     u64 sk;
-    u64 seq;
+    u64 seq;                    /* OPEN: the record's key in `reqs` (req_map_seq); CLOSE: its
+                                 * work set's (ws_seq) */
     u64 conn_id;
     u64 end_ns;
     u32 tid;                    /* the thread whose syscall exit runs it */
@@ -296,6 +300,79 @@ BPF_ARRAY(filter_comm, struct comm_t, 1);
 BPF_PERF_ARRAY(dtlb, NCPU);
 BPF_PERF_ARRAY(itlb, NCPU);
 #endif
+
+/* An HTTP/1.x request's record is kept in `reqs` under a slot of its connection, not its
+ * sequence number: the lowest slot no open request of the connection holds. A keep-alive
+ * connection's next request takes the slot its predecessor left and writes over its entry, so
+ * the common request costs no LRU insert and no delete (those were ~3 % of the server's CPU at
+ * saturation, bench.kernel_profile), and a connection holds one entry however many requests
+ * it serves (more only while it has several pipelined requests open). The entry says whose it
+ * is (conn_id, seq; conn_id 0 once it was sent), and h1_record checks both: the entry may
+ * hold an earlier request of the connection, or one of an earlier connection at the same
+ * socket address. Slots' keys have the top bit set; HTTP/2 streams' (their stream ids, below
+ * 2^31) do not. tcp_destroy_sock deletes the slots a connection used. */
+#define H1_SLOT_KEY (1ULL << 63)
+_Static_assert(MAX_PENDING == 8, "a slot is 3 bits (slot_of, slots_busy, ws_seq)");
+
+static __always_inline u64 h1_key_seq(u32 slot)
+{
+    return H1_SLOT_KEY | (slot & (MAX_PENDING - 1));
+}
+
+/* The seq a record is kept under in `reqs`: its stream id, or its slot's. */
+static __always_inline u64 req_map_seq(struct http_record *rec)
+{
+    return (rec->h2_flags & H2F_STREAM) ? rec->seq : h1_key_seq(rec->h1_slot);
+}
+
+/* HTTP/1.x request `seq` of connection c (open and tracked): its record, or 0 when it is not
+ * in `reqs` (evicted). */
+static __always_inline struct http_record *h1_record(u64 sk, struct conn *c, u64 seq)
+{
+    struct req_key key = {.sk = sk, .seq = h1_key_seq(c->slot_of[seq & (MAX_PENDING - 1)])};
+    struct http_record *rec = reqs.lookup(&key);
+    if (rec && rec->conn_id == c->conn_id && rec->seq == seq)
+        return rec;
+    return 0;
+}
+
+/* A record for new HTTP/1.x request `seq`, in the lowest free slot: that slot's entry, its
+ * fixed part written over with the zeroed template, or a new entry. 0 when the map refused
+ * it. members[] and cuda are left as they are: they are only ever sent after ws_snapshot and
+ * cuda_snapshot copied them whole (record_size sends members[] by ws_nslots, in the fixed
+ * part, and cuda by WSF_CUDA), so the template's copy is half a record, not all of it. The
+ * caller opens at most MAX_PENDING at once, so a slot is free. */
+static __always_inline struct http_record *h1_new_record(u64 sk, struct conn *c, u64 seq,
+                                                         struct http_record *tmpl)
+{
+    u32 slot = 0;
+#pragma unroll
+    for (int i = MAX_PENDING - 1; i >= 0; i--)
+        if (!(c->slots_busy & (1 << i)))
+            slot = i;
+    struct req_key key = {.sk = sk, .seq = h1_key_seq(slot)};
+    struct http_record *rec = reqs.lookup(&key);
+    if (rec) {
+        bpf_probe_read_kernel(rec, REC_HTTP_FIXED_SIZE, tmpl);    /* one call, not 68 stores */
+    } else {
+        if (reqs.update(&key, tmpl) != 0)
+            return 0;
+        rec = reqs.lookup(&key);
+        if (!rec)
+            return 0;
+    }
+    rec->h1_slot = slot;
+    c->slot_of[seq & (MAX_PENDING - 1)] = slot;
+    c->slots_busy |= 1 << slot;
+    c->slots_used |= 1 << slot;
+    return rec;
+}
+
+/* Open request `seq` no longer holds its slot (it ended, or its entry was found evicted). */
+static __always_inline void h1_release(struct conn *c, u64 seq)
+{
+    c->slots_busy &= ~(1 << (c->slot_of[seq & (MAX_PENDING - 1)] & (MAX_PENDING - 1)));
+}
 
 #define DIR_RD 0
 #define DIR_WR 1

@@ -253,8 +253,8 @@ int flush_conn_step(struct loop_arg a)
     c->head = seq + 1;
     if (c->ghost_bits & (1ULL << (seq & 63)))
         return 0;                   /* untracked: already counted (pipeline_slots_full, lost) */
-    struct req_key key = {.sk = l->sk, .seq = seq};
-    struct http_record *rec = reqs.lookup(&key);
+    struct http_record *rec = h1_record(l->sk, c, seq);
+    h1_release(c, seq);
     if (!rec) {
         count(CNT_REQUEST_STATE_LOST);
         return 0;
@@ -269,7 +269,7 @@ int flush_conn_step(struct loop_arg a)
     rec->status = c->rs_status;
     c->rs_status = 0;               /* a status belongs to the oldest open request only */
     emit(rec);
-    reqs.delete(&key);
+    rec->conn_id = 0;
     return 0;
 }
 
@@ -345,8 +345,19 @@ TRACEPOINT_PROBE(tcp, tcp_destroy_sock)
     if (!c)
         return 0;
     flush_conn(sk, c, bpf_ktime_get_ns());
-    struct req_key ghost = {.sk = sk, .seq = GHOST_SEQ};
-    reqs.delete(&ghost);
+    struct req_key key = {.sk = sk, .seq = GHOST_SEQ};
+    reqs.delete(&key);
+#pragma unroll
+    for (u32 i = 0; i < MAX_PENDING; i++) {
+        if (c->slots_used & (1 << i)) {
+            key.seq = h1_key_seq(i);
+            reqs.delete(&key);
+#ifdef WITH_WORKSET
+            struct ws_key wk = {.conn_id = c->conn_id, .seq = h1_key_seq(i)};
+            worksets.delete(&wk);
+#endif
+        }
+    }
     conns.delete(&sk);
     h2conns.delete(&sk);
     return 0;

@@ -32,7 +32,7 @@ static __always_inline void note(struct scratch *s, u32 kind, u32 tid, u64 seq, 
 /* A request was read (scan_req): its thread statistics start at the read's syscall exit. */
 static __always_inline void start_thread_stats(struct scratch *s, struct http_record *rec)
 {
-    note(s, WS_NOTE_OPEN, rec->tid, rec->seq, rec->conn_id, 0);
+    note(s, WS_NOTE_OPEN, rec->tid, req_map_seq(rec), rec->conn_id, 0);
 }
 
 /* At the read's exit, in the reading thread: snapshot its totals into the record as negatives
@@ -77,8 +77,10 @@ static __always_inline void finish_request_ws(struct http_record *rec, struct co
     rec->unacked_max = c->unacked_max;
 #ifdef WITH_WORKSET
     if (!noted) {
-        struct ws_key key = {.conn_id = rec->conn_id, .seq = rec->seq};
-        worksets.delete(&key);
+        struct ws_key key = {.conn_id = rec->conn_id, .seq = ws_seq(rec)};
+        struct workset *ws = ws_get(&key);
+        if (ws)
+            ws_drop(&key, ws);
         if (!(rec->ws_flags & WSF_TRACKED))
             count(CNT_WORKSET_LOST);
     }
@@ -139,7 +141,7 @@ static __always_inline void finish_request_in_scanner(struct scratch *s, struct 
 {
     finish_request_ws(rec, c, s->now, 1);
 #ifdef WITH_WORKSET
-    note(s, WS_NOTE_CLOSE, (u32)bpf_get_current_pid_tgid(), rec->seq, rec->conn_id, s->now);
+    note(s, WS_NOTE_CLOSE, (u32)bpf_get_current_pid_tgid(), ws_seq(rec), rec->conn_id, s->now);
 #endif
 }
 
@@ -164,9 +166,9 @@ static __always_inline void run_notes_for(u32 tid)
             continue;
         }
         if (n->kind == WS_NOTE_OPEN) {
-            struct req_key key = {.sk = n->sk, .seq = n->seq};
+            struct req_key key = {.sk = n->sk, .seq = n->seq};    /* req_map_seq */
             struct http_record *rec = reqs.lookup(&key);
-            if (rec && rec->conn_id == n->conn_id)
+            if (rec && rec->conn_id == n->conn_id && req_map_seq(rec) == n->seq)
                 open_request_stats(rec, tid);
         }
 #ifdef WITH_WORKSET

@@ -158,7 +158,7 @@ struct http_record {
     __u32 fd;              /* fd of the read, to resolve a pre-existing connection's tuple */
     __u16 h2_flags;        /* H2F_*: 0 for HTTP/1.x (bpf/http2_scan.h) */
     __u8  grpc_status;     /* HTTP/2: grpc-status from the trailers + 1; 0 when none was seen */
-    __u8  _pad1;
+    __u8  h1_slot;         /* kernel-private: an HTTP/1.x request's slot in `reqs` (bpf/http.c) */
     __u64 conn_id;         /* opaque, per-connection; never a kernel address */
     __u64 seq;             /* request number on this connection, from 0 */
     __u64 arrival_ns;      /* first request byte queued on the socket (CLOCK_MONOTONIC); 0 unknown */

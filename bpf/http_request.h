@@ -154,9 +154,7 @@ static __always_inline struct http_record *open_request(struct scratch *s, struc
     if (seq - c->head >= MAX_PENDING) {
         count(CNT_PIPELINE_SLOTS_FULL);
     } else {
-        struct req_key key = {.sk = s->sk, .seq = seq};
-        if (reqs.update(&key, tmpl) == 0)
-            rec = reqs.lookup(&key);
+        rec = h1_new_record(s->sk, c, seq, tmpl);
         if (rec)
             c->ghost_bits &= ~bit;
         else

@@ -20,8 +20,8 @@ static __always_inline void complete_response(struct scratch *s, struct conn *c,
         rec->status = c->rs_status;
         finish_request_in_scanner(s, rec, c);
         emit(rec);
-        struct req_key key = {.sk = s->sk, .seq = seq};
-        reqs.delete(&key);
+        rec->conn_id = 0;       /* sent: the slot's entry waits for the connection's next */
+        h1_release(c, seq);
     }
     c->head = seq + 1;
     reset_parser(&c->rs, P_STATUS);

@@ -500,12 +500,12 @@ static __always_inline struct http_record *current_request(struct scratch *s, st
 {
     u64 bit = 1ULL << (seq & 63);
     if (!(c->ghost_bits & bit)) {
-        struct req_key key = {.sk = s->sk, .seq = seq};
-        struct http_record *rec = reqs.lookup(&key);
+        struct http_record *rec = h1_record(s->sk, c, seq);
         if (rec)
             return rec;
         count(CNT_REQUEST_STATE_LOST);
         c->ghost_bits |= bit;
+        h1_release(c, seq);
     }
     return ghost_record(s->sk);
 }

@@ -16,7 +16,7 @@ import pytest
 from harness import new_traceparent, raw_request, server
 from jaeger import parent_span_id, span_tags
 from tracejoin.core.model import KIND_SERVER, Span
-from tracejoin.core.record import WS_MAX
+from tracejoin.core.record import MAX_PENDING, WS_MAX
 
 pytestmark = pytest.mark.privileged
 
@@ -109,6 +109,38 @@ def test_thread_pool_worker_is_in_the_work_set(agent, jaeger):
     assert got["operationName"] == worker.name
     assert parent_span_id(got) == span.span_id_hex
     assert span_tags(got)["tracejoin.mm.minor_faults"] >= N
+
+
+def test_a_connections_next_request_starts_clean(agent):
+    """A keep-alive connection's next request takes over the kernel entries its predecessor
+    left (its record and its work set, bpf/http.c h1_key_seq): nothing of a request with a
+    helper thread carries into the next one, and the connection holds one entry in each map
+    whatever it serves, deleted when it closes."""
+    port = agent.take_port()
+    source = agent.pipeline.source
+    with server("workers", port):
+        get(agent, port, "/pool?n=1")  # the pool creates its worker thread on first use
+        time.sleep(0.5)  # that connection is gone, and its entries with it
+        before = source.map_sizes()
+        with KeepAlive(agent, port) as conn:
+            # more requests than slots: a slot per request would take them all
+            got = [conn.get(f"/pool?n={N}" if i % 2 else "/x") for i in range(2 * MAX_PENDING + 1)]
+            during = source.map_sizes()
+        time.sleep(0.5)
+        after = source.map_sizes()
+    for i, (span, kids) in enumerate(got):
+        a = span.attributes
+        if i % 2:
+            assert a["tracejoin.work.threads"] >= 2, (i, a)
+            assert helpers(kids), i
+        else:
+            assert a["url.path"] == "/x", (i, a)
+            assert a["tracejoin.work.threads"] == 1, (i, a)
+            assert not helpers(kids), (i, [k.attributes for k in kids])
+            assert a["tracejoin.mm.minor_faults"] < MOST * N, (i, a)
+    held = {k: during[k] - before[k] for k in ("reqs", "worksets")}
+    assert held == {"reqs": 1, "worksets": 1}, (before, during)
+    assert {k: after[k] - before[k] for k in ("reqs", "worksets")} == {"reqs": 0, "worksets": 0}
 
 
 def test_process_pool_worker_process_is_in_the_work_set(agent):

@@ -372,7 +372,7 @@ class HttpRecord(ctypes.Structure):
         ("fd", ctypes.c_uint32),
         ("h2_flags", ctypes.c_uint16),
         ("grpc_status", ctypes.c_uint8),
-        ("_pad1", ctypes.c_uint8),
+        ("h1_slot", ctypes.c_uint8),  # the kernel's own (its map slot); not read here
         ("conn_id", ctypes.c_uint64),
         ("seq", ctypes.c_uint64),
         ("arrival_ns", ctypes.c_uint64),
