@@ -266,7 +266,7 @@ static __always_inline void cuda_account(struct cuda_call *c, u32 tid, int rc, u
         struct ws_key k = {.conn_id = t->refs[r].conn_id, .seq = t->refs[r].seq};
         if (!k.conn_id || (t->refs[r].idx & REF_REPLIED))
             continue;
-        if (!ws_get(&k))
+        if (!worksets.lookup(&k))
             continue;           /* ended: the thread lets go of it at its next sched event */
         struct cuda_block *acc = cuda_sums(&k);
         if (!acc)

@@ -198,8 +198,8 @@ struct syscall_io {
 #define WS_NOTE_CLOSE 2
 struct ws_note {
     u64 sk;
-    u64 seq;                    /* OPEN: the record's key in `reqs` (req_map_seq); CLOSE: its
-                                 * work set's (ws_seq) */
+    u64 seq;                    /* OPEN: the record's key in `reqs` (req_map_seq); CLOSE: the
+                                 * request's seq (its work set's key) */
     u64 conn_id;
     u64 end_ns;
     u32 tid;                    /* the thread whose syscall exit runs it */
@@ -312,7 +312,7 @@ BPF_PERF_ARRAY(itlb, NCPU);
  * socket address. Slots' keys have the top bit set; HTTP/2 streams' (their stream ids, below
  * 2^31) do not. tcp_destroy_sock deletes the slots a connection used. */
 #define H1_SLOT_KEY (1ULL << 63)
-_Static_assert(MAX_PENDING == 8, "a slot is 3 bits (slot_of, slots_busy, ws_seq)");
+_Static_assert(MAX_PENDING == 8, "a slot is 3 bits (slot_of, slots_busy)");
 
 static __always_inline u64 h1_key_seq(u32 slot)
 {

@@ -1096,7 +1096,7 @@ static __always_inline void h2_finish(struct scratch *s, u64 sk, struct conn *c,
 #endif
         finish_request_ws(rec, c, now, 1);
 #ifdef WITH_WORKSET
-        note(s, WS_NOTE_CLOSE, (u32)bpf_get_current_pid_tgid(), ws_seq(rec), rec->conn_id, now);
+        note(s, WS_NOTE_CLOSE, (u32)bpf_get_current_pid_tgid(), rec->seq, rec->conn_id, now);
 #endif
     } else if (rec->resp_start_ns) {
         rec->flags |= REQF_RESP_UNTERM;

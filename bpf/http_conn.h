@@ -352,10 +352,6 @@ TRACEPOINT_PROBE(tcp, tcp_destroy_sock)
         if (c->slots_used & (1 << i)) {
             key.seq = h1_key_seq(i);
             reqs.delete(&key);
-#ifdef WITH_WORKSET
-            struct ws_key wk = {.conn_id = c->conn_id, .seq = h1_key_seq(i)};
-            worksets.delete(&wk);
-#endif
         }
     }
     conns.delete(&sk);

@@ -77,10 +77,8 @@ static __always_inline void finish_request_ws(struct http_record *rec, struct co
     rec->unacked_max = c->unacked_max;
 #ifdef WITH_WORKSET
     if (!noted) {
-        struct ws_key key = {.conn_id = rec->conn_id, .seq = ws_seq(rec)};
-        struct workset *ws = ws_get(&key);
-        if (ws)
-            ws_drop(&key, ws);
+        struct ws_key key = {.conn_id = rec->conn_id, .seq = rec->seq};
+        worksets.delete(&key);
         if (!(rec->ws_flags & WSF_TRACKED))
             count(CNT_WORKSET_LOST);
     }
@@ -141,7 +139,7 @@ static __always_inline void finish_request_in_scanner(struct scratch *s, struct 
 {
     finish_request_ws(rec, c, s->now, 1);
 #ifdef WITH_WORKSET
-    note(s, WS_NOTE_CLOSE, (u32)bpf_get_current_pid_tgid(), ws_seq(rec), rec->conn_id, s->now);
+    note(s, WS_NOTE_CLOSE, (u32)bpf_get_current_pid_tgid(), rec->seq, rec->conn_id, s->now);
 #endif
 }
 

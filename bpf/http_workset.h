@@ -154,7 +154,6 @@ struct workset {
     u8 nslots;
     u8 flags;                   /* WSF_* */
     u32 _pad;
-    u64 seq;                    /* whose set it is: its ws_key's seq (ws_get); 0 once it ended */
     u64 gap_ts;                 /* reader blocked and no helper awake since; 0: not now */
     u64 unexplained;
     u64 tot[WSIG_COUNT];        /* differences of members that have left, summed */
@@ -171,71 +170,6 @@ BPF_PERCPU_ARRAY(zero_ws, struct workset, 1);           /* never written: a zero
 /* [0]: the agent's process id, set by user space before any program attaches (a map, not a
  * define: the compiled programs are kept and loaded by later starts, agent/kernel/compiled.py) */
 BPF_ARRAY(agent_tgid, u32, 1);
-/* A work set is named by its request: conn_id and ws_seq() (ws_key). An HTTP/1.x request's set
- * is kept like its record (h1_key_seq in http.c), under its connection's slot, taken over by
- * the connection's next request in that slot, so opening and ending a set costs no LRU
- * insert and no delete; its ws_seq is the slot's key (top bit and slot) with the request's
- * seq in the low 56 bits. The set keeps the ws_seq it was opened for and ws_get checks it: a
- * thread's reference to an ended set (or to one a later request took over) finds none. An
- * HTTP/2 stream's set is kept under its stream id, inserted and deleted (its ids never come
- * back). tcp_destroy_sock deletes the slots a connection used. */
-#define WS_SLOT_SHIFT 56
-static __always_inline u64 ws_seq(struct http_record *rec)
-{
-    if (rec->h2_flags & H2F_STREAM)
-        return rec->seq;
-    return H1_SLOT_KEY | ((u64)(rec->h1_slot & (MAX_PENDING - 1)) << WS_SLOT_SHIFT) |
-           (rec->seq & ((1ULL << WS_SLOT_SHIFT) - 1));
-}
-
-/* Where set k is kept: an HTTP/1.x request's under its slot's key, a stream's under its own. */
-static __always_inline struct ws_key ws_at(struct ws_key *k)
-{
-    struct ws_key at = {.conn_id = k->conn_id, .seq = k->seq};
-    if (k->seq & H1_SLOT_KEY)
-        at.seq = h1_key_seq(k->seq >> WS_SLOT_SHIFT);
-    return at;
-}
-
-static __always_inline struct workset *ws_get(struct ws_key *k)
-{
-    struct ws_key at = ws_at(k);
-    struct workset *ws = worksets.lookup(&at);
-    if (!ws || ws->seq != k->seq)
-        return 0;
-    return ws;
-}
-
-/* A new set for key k: the entry where it is kept with everything but m[] written over by the
- * zeroed template (a member's m[i] is written whole when it joins, and only m[0..n) is read),
- * or a new entry. 0 when the map refused it. */
-static __always_inline struct workset *ws_new(struct ws_key *k, struct workset *zero)
-{
-    struct ws_key at = ws_at(k);
-    struct workset *ws = worksets.lookup(&at);
-    if (ws) {
-        bpf_probe_read_kernel(ws, __builtin_offsetof(struct workset, m), zero);
-    } else {
-        if (worksets.update(&at, zero) != 0)
-            return 0;
-        ws = worksets.lookup(&at);
-        if (!ws)
-            return 0;
-    }
-    ws->seq = k->seq;
-    return ws;
-}
-
-/* Set ws (ws_get(k)) ended: an HTTP/1.x request's is marked so (its slot waits for the
- * connection's next request), a stream's deleted. */
-static __always_inline void ws_drop(struct ws_key *k, struct workset *ws)
-{
-    if (k->seq & H1_SLOT_KEY)
-        ws->seq = 0;
-    else
-        worksets.delete(k);
-}
-
 /* CUDA calls, summed per work set (they need the maps above) */
 #ifdef WITH_CUDA
 #include "cuda.h"
@@ -317,7 +251,7 @@ static __always_inline void ws_note_sharing(struct tstat *t, struct workset *sel
         struct ws_key k = {.conn_id = t->refs[r].conn_id, .seq = t->refs[r].seq};
         if (!k.conn_id || (t->refs[r].idx & REF_REPLIED))
             continue;
-        struct workset *o = ws_get(&k);
+        struct workset *o = worksets.lookup(&k);
         if (o && o->shared_max < others)
             o->shared_max = others;
     }
@@ -467,14 +401,16 @@ static __always_inline int ws_find(struct workset *ws, u32 tid)
 /* The request was read by the current thread (totals t): open its set with the reader. */
 static __always_inline void ws_open(struct http_record *rec, struct tstat *t, u64 now)
 {
-    struct ws_key key = {.conn_id = rec->conn_id, .seq = ws_seq(rec)};
+    struct ws_key key = {.conn_id = rec->conn_id, .seq = rec->seq};
     int z = 0;
     struct workset *zero = zero_ws.lookup(&z);
     if (!key.conn_id || !zero)
         return;
-    struct workset *ws = ws_new(&key, zero);
-    if (!ws)
+    if (worksets.update(&key, zero) != 0)
         return;                 /* counted as lost when the response ends */
+    struct workset *ws = worksets.lookup(&key);
+    if (!ws)
+        return;
     ws->pid = rec->pid;
     ws->fd = rec->fd;
     t->tgid = rec->pid;
@@ -509,8 +445,8 @@ static __always_inline void rec_own(struct http_record *rec, u32 sig, u64 v)
  * joined. Nobody leaves here, so it can run at every response write (ws_checkpoint). */
 static __always_inline void ws_snapshot(struct http_record *rec, u64 now)
 {
-    struct ws_key key = {.conn_id = rec->conn_id, .seq = ws_seq(rec)};
-    struct workset *ws = ws_get(&key);
+    struct ws_key key = {.conn_id = rec->conn_id, .seq = rec->seq};
+    struct workset *ws = worksets.lookup(&key);
     if (!ws)
         return;
     rec->oncpu_ns = rec->runq_ns = rec->offcpu_ns = rec->tlb_a = rec->tlb_b = 0;
@@ -595,7 +531,7 @@ static __always_inline void ws_snapshot(struct http_record *rec, u64 now)
 static __always_inline void ws_close(u64 conn_id, u64 seq, u64 end_ns)
 {
     struct ws_key key = {.conn_id = conn_id, .seq = seq};
-    struct workset *ws = ws_get(&key);
+    struct workset *ws = worksets.lookup(&key);
     if (!ws) {
         count(CNT_WORKSET_LOST);
         return;
@@ -610,7 +546,7 @@ static __always_inline void ws_close(u64 conn_id, u64 seq, u64 end_ns)
             ws_end(ws, &key, i, threads.lookup(&tid), end_ns);
         }
     }
-    ws_drop(&key, ws);
+    worksets.delete(&key);
 #ifdef WITH_CUDA
     cuda_ws.delete(&key);
 #endif
@@ -638,7 +574,7 @@ static __always_inline void ws_blocked(struct tstat *t, u32 asleep, u64 now)
         struct ws_key k = {.conn_id = t->refs[r].conn_id, .seq = t->refs[r].seq};
         if (!k.conn_id)
             continue;
-        struct workset *ws = ws_get(&k);
+        struct workset *ws = worksets.lookup(&k);
         if (!ws) {
             ref_stale(t, r, now);
             continue;
@@ -747,7 +683,7 @@ static __always_inline int ws_may_join(struct tstat *t, u64 id, u32 flags, u32 w
         struct ws_key k = {.conn_id = t->refs[r].conn_id, .seq = t->refs[r].seq};
         if (!k.conn_id)
             continue;
-        struct workset *ws = ws_get(&k);
+        struct workset *ws = worksets.lookup(&k);
         if (ws && ws->pid == pid && ws->fd == fd)
             return 0;
     }
@@ -783,7 +719,7 @@ static __always_inline int ws_wake(void *p)
         my_idx &= ~REF_REPLIED;
         if (!k.conn_id)
             continue;
-        struct workset *ws = ws_get(&k);
+        struct workset *ws = worksets.lookup(&k);
         if (!ws) {
             ref_stale(t, r, now);
             continue;
