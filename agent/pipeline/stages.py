@@ -33,13 +33,11 @@ log = logging.getLogger(__name__)
 
 # The reader takes what the ring holds every POLL_MS (the kernel wakes it earlier only when half
 # the ring could be full): one wake-up per batch instead of one per record; spans leave at most
-# this much later (the exporters send once a second at low rates anyway). A wake-up is dear:
-# ~70-140 µs of the thread's CPU on the 2-vCPU KVM guests (an empty epoll wait, alone:
-# bench.idle_cost), and each batch starts with cold caches. At 1k req/s, 100 ms instead of 25
-# took the agent from ~52 to ~32-40 µs per record; 200 ms instead of 100 takes the reader from
-# 4.9 to 3.6 µs a record at 1k req/s and from 6.6-7.0 to 4.9-5.5 at 500 (per-thread CPU,
-# docs/performance.md). Above ~5k req/s the kernel's forced wake-ups set the batch instead.
-POLL_MS = 200
+# this much later. A wake-up is dear: ~70-140 µs of the thread's CPU on the 2-vCPU KVM guests
+# (an empty epoll wait, alone: bench.idle_cost), and each batch starts with cold caches. At
+# 1k req/s, 100 ms instead of 25 took the agent from ~52 to ~32-40 µs per record; 200 ms was no
+# better than 100 (docs/performance.md).
+POLL_MS = 100
 # With nothing to read the reader waits twice as long each time, up to IDLE_POLL_MS: an idle
 # agent wakes ~3 times a second instead of 10. A burst still wakes it at once (the kernel's
 # forced wake-up); a request after a quiet spell is read at most this late. Well under
