@@ -97,7 +97,13 @@ def otlp_destination(
         exporter = exporter_from_env(env, overrides)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    return BatchExportQueue(exporter, metrics, max_queue_spans=s.queue_size, name="otlp")
+    return BatchExportQueue(
+        exporter,
+        metrics,
+        max_queue_spans=s.queue_size,
+        name="otlp",
+        flush_interval_s=s.export_interval,
+    )
 
 
 def file_destination(path: Path, s: Settings, metrics: Metrics) -> Destination:

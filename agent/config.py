@@ -264,6 +264,14 @@ class Settings:
         "Spans held for export per destination; beyond it spans are dropped and counted.",
         ENV + "QUEUE_SIZE",
     )
+    export_interval: float = option(
+        2.0,
+        click.FloatRange(0.1, 60),
+        "Seconds between OTLP sends: each send takes what is queued (a send goes sooner once "
+        "2,048 spans wait). Longer: fewer, larger requests and less agent CPU per span; spans "
+        "reach the backend up to this much later.",
+        ENV + "EXPORT_INTERVAL",
+    )
     duration: float | None = option(
         None,
         click.FloatRange(0.1, None),

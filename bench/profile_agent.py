@@ -5,6 +5,7 @@
                                         [--unsampled] [--kernel-policy on|off]
                                         [--encoder compiled|join|python] [--ring compiled|bcc]
                                         [--save-records PATH] [--poll-ms N]
+                                        [--framing compiled|python]
 
 Builds the pipeline the way `tracejoin run` does (the daemon's span builder and destination:
 OTLP/HTTP protobuf to bench/otlp_sink, or the OTLP-JSON file on tmpfs), starts the Go test
@@ -40,6 +41,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tracejoin.exporters import otlp_proto
+from tracejoin.exporters import queue as export_queue
 from tracejoin.pipeline import span_bytes
 
 from bench import measure as m
@@ -284,12 +287,21 @@ def main(argv: list[str] | None = None) -> int:
         help="the records ring's reader: the compiled consumer (as installed) or BCC's, one "
         "Python callback per record (the fallback)",
     )
+    ap.add_argument(
+        "--framing",
+        choices=["compiled", "python"],
+        default="compiled",
+        help="the exporter's batch taking and request framing: _request_bytes.c (as installed) "
+        "or the Python loops (the fallback; before 2026-12-05, late morning)",
+    )
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("profile_agent: must run as root (BPF)", file=sys.stderr)
         return 2
     try:
         span_bytes.use_encoder(args.encoder)
+        otlp_proto.use_compiled(args.framing == "compiled")
+        export_queue.use_compiled(args.framing == "compiled")
     except RuntimeError as exc:
         print(f"profile_agent: {exc}", file=sys.stderr)
         return 2
@@ -298,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.poll_ms:
         from tracejoin.pipeline import stages
 
-        stages.POLL_MS = args.poll_ms  # the read loop reads it at each batch
+        stages.POLL_MS = args.poll_ms  # the read loop reads it when it starts
     if args.gc:
         gc.freeze()
         gc.set_threshold(100_000, 50, 50)

@@ -60,6 +60,20 @@ MAX_BATCH_BYTES = 2 << 20
 # counts for against max_batch_bytes: a server span with its enrichment encodes to ~700 B.
 SPAN_BYTES_GUESS = 1024
 
+try:  # compiled where a C compiler was, at install (_request_bytes.c): the same batches
+    from tracejoin.exporters._request_bytes import take as _take_c
+except ImportError:  # pragma: no cover - the Python loop, under the same tests
+    _take_c = None
+_take_fast = _take_c  # None: _take_py (tests and the bench switch it)
+
+
+def use_compiled(on: bool) -> None:
+    """For tests and the bench: take batches with _request_bytes.c (as installed) or not."""
+    global _take_fast
+    if on and _take_c is None:
+        raise RuntimeError("_request_bytes.c was not built (gcc, python3-dev: scripts/setup.sh)")
+    _take_fast = _take_c if on else None
+
 
 class BatchExportQueue:
     def __init__(
@@ -261,6 +275,14 @@ class BatchExportQueue:
     def _take(self, q: collections.deque[ExportSpan]) -> list[ExportSpan]:
         """The next batch off q (under the lock): up to max_batch spans, stopping before the
         span that would take it past max_batch_bytes; at least one span."""
+        if _take_fast is not None:
+            return _take_fast(
+                q, self.max_batch, self.max_batch_bytes, EncodedSpan, SPAN_BYTES_GUESS
+            )
+        return self._take_py(q)
+
+    def _take_py(self, q: collections.deque[ExportSpan]) -> list[ExportSpan]:
+        """_take in Python: the reference (_request_bytes.c's take is the same loop)."""
         batch: list[ExportSpan] = []
         size, limit, most = 0, self.max_batch_bytes, min(len(q), self.max_batch)
         while len(batch) < most:

@@ -824,12 +824,15 @@ def test_dockerfile() -> None:
     assert not any(p.startswith(("linux-headers", "gcc", "build-essential")) for p in packages)
     assert "python3-dev" not in packages
     assert "COPY --from=build /opt/tracejoin /opt/tracejoin" in image
-    # the build fails without either compiled module; the image asserts both are used
+    # the build fails without any of the compiled modules; the image asserts all are used
     assert (
         "import tracejoin.pipeline._span_bytes, tracejoin.kernel._ring_read, "
-        "tracejoin.enrich._trace_context" in build
+        "tracejoin.enrich._trace_context, tracejoin.exporters._request_bytes" in build
     )
-    assert "span_bytes.COMPILED and ring.COMPILED and correlate.COMPILED" in image
+    assert (
+        "span_bytes.COMPILED and ring.COMPILED and correlate.COMPILED and otlp_proto.COMPILED"
+        in image
+    )
     assert "DEBIAN_FRONTEND=noninteractive" in code
     assert "/usr/lib/python3/dist-packages/bcc" in build  # the venv sees Debian's binding
     # every Python distribution from the lock, hash-checked, wheels only; tracejoin itself

@@ -42,6 +42,7 @@ from tracejoin.host.doctor import (
     _from_gpu_probe,
     _privilege_gaps,
     check_bpf_cache,
+    check_request_framing,
     check_ring_reader,
     check_span_encoder,
     check_traceparent_reader,
@@ -421,6 +422,7 @@ def test_json_stays_json_when_bcc_cannot_find_headers(privileged: None) -> None:
         (check_span_encoder, "tracejoin.pipeline.span_bytes", "pure-Python"),
         (check_ring_reader, "tracejoin.kernel.ring", "callback per record"),
         (check_traceparent_reader, "tracejoin.enrich.correlate", "Python for every"),
+        (check_request_framing, "tracejoin.exporters.otlp_proto", "Python per span"),
     ],
 )
 def test_the_build_checks_say_which_path_runs(monkeypatch, check, module, says):

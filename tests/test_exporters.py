@@ -6,6 +6,7 @@ retries, loss accounting and shutdown deadline. No mocks of gRPC or HTTP.
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import gzip
 import io
@@ -45,10 +46,14 @@ from tracejoin.core.model import (
     STATUS_ERROR,
     STATUS_OK,
     AttrValue,
+    EncodedSpan,
     Event,
     Resource,
     Span,
 )
+from tracejoin.core.otlp_wire import encode_span, resource_field
+from tracejoin.exporters import otlp_proto
+from tracejoin.exporters import queue as queue_module
 from tracejoin.exporters.base import ExportResult, ExportStatus, InMemoryExporter, SpanExporter
 from tracejoin.exporters.config import exporter_from_env
 from tracejoin.exporters.file_sender import ConsoleExporter, JsonLinesFileExporter
@@ -261,6 +266,59 @@ def test_proto_groups_equal_resources_from_distinct_objects() -> None:
         [(0x00F067AA0BA902B7 + 1).to_bytes(8, "big")],
     ]
     assert encode_request_bytes([]) == b""
+
+
+def test_compiled_request_framing_writes_the_reference_bytes() -> None:
+    """_request_bytes.c frames EncodedSpans exactly as encode_request_bytes_py does: equal
+    resources from distinct objects share a group, in order of first appearance; bodies at
+    each varint length boundary. A model.Span among them, or more resources than it groups,
+    leaves the batch to Python (None), and the request is still the same."""
+    assert otlp_proto.COMPILED, "_request_bytes.c was not built (scripts/setup.sh builds it)"
+
+    def framed(spans: list[EncodedSpan | Span]) -> bytes | None:
+        return otlp_proto._request_c(spans, EncodedSpan, resource_field, otlp_proto._HEADS)
+
+    twin = Resource(tuple(RES_A.attributes))  # equal, not identical
+    resources = [RES_A, RES_B, twin, RES_A, RES_B, twin]
+    bodies = [b"", b"a" * 127, b"b" * 128, b"c" * 16383, b"d" * 16384, b"e" * 70_000]
+    raw = [EncodedSpan(r, b) for r, b in zip(resources, bodies, strict=True)]
+    assert framed(raw) == otlp_proto.encode_request_bytes_py(raw)
+    assert framed([]) == b""
+
+    objects = [make_span(i, r) for i, r in enumerate(resources)]
+    real = [EncodedSpan(s.resource, encode_span(s)) for s in objects]
+    assert framed(real) is not None
+    assert encode_request_bytes(real) == encode_request_bytes(objects)  # C, and Python's objects
+    assert len(encode_request(real).resource_spans) == 2
+
+    mixed = [*real, make_span(9)]
+    assert framed(mixed) is None
+    assert encode_request_bytes(mixed) == otlp_proto.encode_request_bytes_py(mixed)
+    many = [EncodedSpan(Resource((("service.name", f"s{i}"),)), b"x") for i in range(65)]
+    assert framed(many[:64]) is not None and framed(many) is None
+    assert encode_request_bytes(many) == otlp_proto.encode_request_bytes_py(many)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_a_batch_is_taken_the_same_either_way(compiled: bool) -> None:
+    """BatchExportQueue._take, compiled (_request_bytes.c) or not: up to max_batch spans, stopping
+    before the one that would pass max_batch_bytes (an EncodedSpan counts its body, a
+    model.Span SPAN_BYTES_GUESS), at least one; the rest stays queued, in order."""
+    q = BatchExportQueue(InMemoryExporter(), Metrics(), name="t", max_batch=5, max_batch_bytes=2500)
+    big, small = EncodedSpan(RES_A, b"a" * 3000), [EncodedSpan(RES_A, b"s") for _ in range(6)]
+    first, second = EncodedSpan(RES_A, b"f" * 1000), EncodedSpan(RES_B, b"g" * 600)
+    obj = make_span(1)
+    spans: list[EncodedSpan | Span] = [first, obj, second, big, *small]
+    backlog = collections.deque(spans)
+    queue_module.use_compiled(compiled)
+    try:
+        batches = []
+        while backlog:
+            batches.append(q._take(backlog))
+    finally:
+        queue_module.use_compiled(True)
+    # 1000 + 1024 (guessed), then 600 (+3000 would pass), 3000 alone, then the count's cap
+    assert batches == [[first, obj], [second], [big], small[:5], small[5:]]
 
 
 def _json_to_proto(obj: dict[str, Any]) -> ExportTraceServiceRequest:

@@ -172,6 +172,7 @@ def test_the_wheel_installs_only_the_tracejoin_package(wheel: Path) -> None:
     assert any(n.startswith("tracejoin/pipeline/_span_bytes.") for n in shipped)
     assert any(n.startswith("tracejoin/kernel/_ring_read.") for n in shipped)
     assert any(n.startswith("tracejoin/enrich/_trace_context.") for n in shipped)
+    assert any(n.startswith("tracejoin/exporters/_request_bytes.") for n in shipped)
 
 
 # ------------------------------------------------------------ beside unrelated agent/exporters

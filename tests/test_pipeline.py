@@ -18,7 +18,7 @@ from tracejoin.exporters.base import InMemoryExporter
 from tracejoin.exporters.queue import BatchExportQueue
 from tracejoin.kernel.probes import ProbeError, ProbeStatus
 from tracejoin.pipeline.spans import SpanOptions
-from tracejoin.pipeline.stages import IDLE_POLL_MS, POLL_MS, GpuHold, Pipeline
+from tracejoin.pipeline.stages import IDLE_POLL_MS, POLL_MS, POLL_MS_FDS, GpuHold, Pipeline
 
 SIGNALS = {"recvq": "on", "tcp_stats": "on", "sched": "on", "page_faults": "on"}
 
@@ -131,22 +131,28 @@ def test_records_flow_one_way_to_the_destination():
     assert metrics.get("spans_built") == len(memory.spans)
 
 
-def test_an_idle_reader_waits_longer_and_records_bring_it_back():
-    """Each empty wait doubles the next, up to IDLE_POLL_MS; a batch with records resets it."""
+@pytest.mark.parametrize("from_fds", [False, True], ids=["addresses_carried", "from_fds"])
+def test_an_idle_reader_waits_longer_and_records_bring_it_back(from_fds: bool):
+    """Each empty wait doubles the next, up to IDLE_POLL_MS; a batch with records resets it. A
+    source whose records may name their connection by fd only is read sooner (POLL_MS_FDS),
+    while /proc/<pid>/fd/<fd> is still open."""
     source = FakeSource()
+    source.addresses_from_fds = from_fds  # type: ignore[attr-defined]
+    busy = POLL_MS_FDS if from_fds else POLL_MS
+    assert POLL_MS_FDS < POLL_MS
     pipe, memory, _ = pipeline_over(source)
     pipe.start()
     deadline = time.monotonic() + 10
     while source.waits.count(IDLE_POLL_MS) < 2:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    doubling = [POLL_MS]
+    doubling = [busy]
     while doubling.count(IDLE_POLL_MS) < 2:
         doubling.append(min(2 * doubling[-1], IDLE_POLL_MS))
     assert source.waits[: len(doubling)] == doubling
     seen = len(source.waits)
     source.push(traced(0)[0])
-    while not memory.spans or POLL_MS not in source.waits[seen:]:
+    while not memory.spans or busy not in source.waits[seen:]:
         assert time.monotonic() < deadline, source.waits[seen:]
         time.sleep(0.01)
     pipe.shutdown(2.0)

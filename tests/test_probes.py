@@ -250,3 +250,18 @@ def test_the_other_architectures_syscall_branch_compiles(require_root, tmp_path)
     assert f"#define {other}" in text
     units, _ = compiled._compile_in_children([text], cflags, "other-arch", tmp_path)
     assert len(units) == 1
+
+
+@pytest.mark.privileged
+def test_only_a_kernel_without_the_tuple_at_read_has_addresses_read_from_fds(require_root):
+    """The reader polls sooner (stages.POLL_MS_FDS) only where a record may carry its pid and fd
+    instead of its addresses: without tcp:tcp_rcv_space_adjust. Before the plan: the cautious
+    answer."""
+    probe = HttpProbes(ProbeConfig(), Metrics())
+    assert probe.addresses_from_fds
+    probe.plan()
+    assert not probe.addresses_from_fds
+    no_tuple = frozenset({"tcp:tcp_rcv_space_adjust"})
+    probe = HttpProbes(ProbeConfig(disabled_tracepoints=no_tuple), Metrics())
+    probe.plan()
+    assert probe.addresses_from_fds

@@ -60,7 +60,7 @@ class EnrichedRecord:
 
 # How long one answer of the resource resolver is reused for a pid: the resolver itself caches
 # for seconds, but asking it costs a lock, its clock and its generations per record; records
-# come in batches of up to POLL_MS (100 ms), so this asks it about once per pid per batch.
+# come in batches every POLL_MS (100-200 ms), so this asks it about once per pid per batch.
 SERVED_MEMO_S = 0.1
 _SERVED_MEMO_MAX = 4096
 

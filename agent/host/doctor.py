@@ -323,6 +323,7 @@ def run_checks(options: DoctorOptions | None = None) -> Report:
         check_ring_reader(),
         check_traceparent_reader(),
         check_span_encoder(),
+        check_request_framing(),
     ]
     checks.append(_from_probe("bpf trial load", "BPF", True, opts.bpf_trial or bpf_trial_load))
     checks.append(_from_probe("nvml", "GPU", False, opts.nvml_probe or nvml_status))
@@ -406,6 +407,20 @@ def check_span_encoder() -> Check:
         "batch a call; the server span of the others",
         "pure-Python encoder: the install had no C compiler; the same spans, more agent CPU per "
         "span (docs/performance.md)",
+    )
+
+
+def check_request_framing() -> Check:
+    """How the OTLP exporter frames a request around its spans and takes them off its queue:
+    one C call a batch, or Python per span."""
+    from tracejoin.exporters import otlp_proto
+
+    return _compiled_or_fallback(
+        "otlp request framing",
+        otlp_proto.COMPILED,
+        "compiled (_request_bytes.c): a batch taken off the queue and framed in one call each",
+        "Python per span: the install had no C compiler; the same requests, more exporter CPU "
+        "per span (docs/performance.md)",
     )
 
 

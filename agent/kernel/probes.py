@@ -684,6 +684,14 @@ class HttpProbes:
                 log.exception("CUDA library rescan failed (the records are kept)")
         return batch
 
+    @property
+    def addresses_from_fds(self) -> bool:
+        """Whether a record may carry no addresses, only its pid and fd, for user space to read
+        from /proc while the connection is open (a connection older than the agent, on a kernel
+        without tcp:tcp_rcv_space_adjust): the reader then polls sooner (stages.POLL_MS_FDS).
+        True until start() has decided."""
+        return self.status.signals.get("tuple_at_read") != "on"
+
     def backlog(self) -> float:
         """The share of the ring still to read, now (0 with BCC's reader: not known)."""
         return self._ring.backlog() if self._ring is not None else 0.0

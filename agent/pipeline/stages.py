@@ -33,11 +33,16 @@ log = logging.getLogger(__name__)
 
 # The reader takes what the ring holds every POLL_MS (the kernel wakes it earlier only when half
 # the ring could be full): one wake-up per batch instead of one per record; spans leave at most
-# this much later. A wake-up is dear: ~70-140 µs of the thread's CPU on the 2-vCPU KVM guests
-# (an empty epoll wait, alone: bench.idle_cost), and each batch starts with cold caches. At
-# 1k req/s, 100 ms instead of 25 took the agent from ~52 to ~32-40 µs per record; 200 ms was no
-# better than 100 (docs/performance.md).
-POLL_MS = 100
+# this much later (the exporters send once a second at the rates where it waits this long). A
+# wake-up is dear: ~70-140 µs of the thread's CPU on the 2-vCPU KVM guests (an empty epoll wait,
+# alone: bench.idle_cost), and each batch starts with cold caches. At 500 req/s, 200 ms instead
+# of 100 took the reader from ~7 to ~5 µs per record (docs/performance.md).
+POLL_MS = 200
+# ... except where a record may name its connection only by pid and fd (a kernel without
+# tcp:tcp_rcv_space_adjust, for connections older than the agent: the source's
+# addresses_from_fds): its addresses are read from /proc/<pid>/fd/<fd>, which must still be open
+# then, so the reader comes sooner. 200 ms lost more of those reads to a closed connection.
+POLL_MS_FDS = 100
 # With nothing to read the reader waits twice as long each time, up to IDLE_POLL_MS: an idle
 # agent wakes ~3 times a second instead of 10. A burst still wakes it at once (the kernel's
 # forced wake-up); a request after a quiet spell is read at most this late. Well under
@@ -323,7 +328,8 @@ class Pipeline:
         return self._reader is not None and self._reader.is_alive()
 
     def _read_loop(self) -> None:
-        wait = POLL_MS
+        busy = POLL_MS_FDS if getattr(self.source, "addresses_from_fds", False) else POLL_MS
+        wait = busy
         while not self._stop.is_set():
             if self._paused.is_set():
                 with self._pause_cond:
@@ -333,7 +339,7 @@ class Pipeline:
                 continue
             try:
                 batch = self.source.poll(wait)
-                wait = POLL_MS if batch else min(2 * wait, IDLE_POLL_MS)
+                wait = busy if batch else min(2 * wait, IDLE_POLL_MS)
                 self.process(batch)
             except Exception:  # a bug here must not kill the agent: count and go on
                 log.exception("reading the record source failed")
