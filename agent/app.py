@@ -397,26 +397,6 @@ class Agent:
             self.resources.shutdown(max(0.1, deadline - time.monotonic()))
 
 
-def schedule_as_batch(enabled: bool) -> bool:
-    """Run the agent's threads under SCHED_BATCH (--batch-scheduling, the default): the same CPU
-    share as a normal task (the same weight), but a thread of the agent that wakes up never
-    preempts the task running on its CPU; it waits for that task's slice to end. The agent's
-    work is batches (a reader waking every POLL_MS for hundreds of records, an exporter once
-    an interval), and run at once it delayed whatever shared the CPU by a batch's length:
-    a load generator's replies, a server's next request (docs/performance.md). Called before
-    any thread starts: threads inherit the policy. False (logged) where the kernel refused."""
-    if not enabled:
-        return False
-    try:
-        for tid in os.listdir("/proc/self/task"):  # the calling thread and any already started
-            os.sched_setscheduler(int(tid), os.SCHED_BATCH, os.sched_param(0))
-    except OSError as exc:
-        log.warning("batch scheduling: %s; the agent's threads stay SCHED_OTHER", exc)
-        return False
-    log.info("scheduling: SCHED_BATCH (the agent's wake-ups do not preempt the workload)")
-    return True
-
-
 def settle_gc() -> None:
     """After start-up: move everything start-up made (modules, BCC's tables, caches) out of the
     collector's sight, and collect the young generation every 50k allocations instead of 700.

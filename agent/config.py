@@ -255,13 +255,6 @@ class Settings:
     gpu: bool = option(
         True, bool, "Join NVML GPU samples to spans when NVML is present.", ENV + "GPU"
     )
-    batch_scheduling: bool = option(
-        True,
-        bool,
-        "Run the agent's threads as SCHED_BATCH: the same CPU share, but a waking agent thread "
-        "never preempts the workload on its CPU (off: SCHED_OTHER, as started).",
-        ENV + "BATCH_SCHEDULING",
-    )
     gpu_sample_hz: float = option(
         4.0, click.FloatRange(0.1, 50), "GPU sampling rate.", ENV + "GPU_SAMPLE_HZ"
     )

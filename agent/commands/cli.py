@@ -103,12 +103,10 @@ def capture(**params: Any) -> None:
     the spans also go there. Ctrl-C ends the capture early and still writes everything.
     See docs/capture.md.
     """
-    from tracejoin.app import schedule_as_batch
     from tracejoin.commands.capture import run_capture
 
     s = Settings.from_click(click.get_current_context(), params)
     _require_root()
-    schedule_as_batch(s.batch_scheduling)  # before any thread starts: they inherit it
     sys.exit(run_capture(s))
 
 
@@ -130,12 +128,10 @@ def run(spans_file: Path | None, **params: Any) -> None:
     """Run the agent until SIGTERM/SIGINT: export one span per request, serve /healthz,
     /readyz and /metrics. On SIGTERM: detach the probes, flush for what is left of
     --shutdown-timeout, and be gone at most 1 s after it (a second signal exits at once)."""
-    from tracejoin.app import schedule_as_batch
     from tracejoin.commands.run import run_daemon
 
     s = Settings.from_click(click.get_current_context(), params)
     _require_root()
-    schedule_as_batch(s.batch_scheduling)  # before any thread starts: they inherit it
     code = run_daemon(s, spans_file)
     # Everything is flushed or counted as dropped by now. Skip the interpreter's teardown:
     # destructors it would run (gRPC channels, libbcc objects) take unbounded time and would
