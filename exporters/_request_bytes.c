@@ -2,14 +2,15 @@
  * otlp_proto.py and queue.py's per-span loops, compiled: what the exporter thread does with each
  * span the span builder already wrote (model.EncodedSpan, a named tuple (resource, body)).
  *
- * request(spans, encoded, resource_field, heads) -> bytes, or None
+ * request(spans, encoded, resource_field, heads, encode_span) -> bytes, or None
  *   The serialized ExportTraceServiceRequest that otlp_proto.encode_request_bytes_py writes:
  *   one ResourceSpans per distinct resource_field(resource), in order of first appearance, each
  *   with one ScopeSpans (the scope field pre-encoded in heads) holding its spans' bodies framed
- *   as ScopeSpans.spans fields. resource_field is called once per distinct resource object.
- *   None when a span is not an `encoded` (a model.Span, to be encoded in Python) or the batch
- *   has more distinct resources than MAX_GROUPS: the caller takes the Python path, the reference
- *   (tests/test_otlp_proto.py requires both to write the same bytes).
+ *   as ScopeSpans.spans fields. resource_field is called once per distinct resource object,
+ *   encode_span for each span that is not an `encoded` (a model.Span: a child span the stages
+ *   made, a few in a batch). None when the batch has more distinct resources than MAX_GROUPS:
+ *   the caller takes the Python path, the reference (tests/test_exporters.py requires both to
+ *   write the same bytes).
  *
  * take(q, most, limit, encoded, guess) -> list
  *   queue.BatchExportQueue._take: up to `most` spans off the deque's left, stopping before the
@@ -62,14 +63,15 @@ static PyObject *body_of(PyObject *span, PyTypeObject *encoded)
 static PyObject *request(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 4 || !PyList_CheckExact(args[0]) || !PyType_Check(args[1]) ||
+    if (nargs != 5 || !PyList_CheckExact(args[0]) || !PyType_Check(args[1]) ||
         !PyType_IsSubtype((PyTypeObject *)args[1], &PyTuple_Type) ||
         !PyTuple_CheckExact(args[3]) || PyTuple_GET_SIZE(args[3]) != 4) {
-        PyErr_SetString(PyExc_TypeError,
-                        "request(spans: list, encoded: type, resource_field, heads: 4-tuple)");
+        PyErr_SetString(PyExc_TypeError, "request(spans: list, encoded: type, resource_field, "
+                                         "heads: 4-tuple, encode_span)");
         return NULL;
     }
     PyObject *spans = args[0], *resource_field = args[2], *heads = args[3];
+    PyObject *encode_span = args[4];
     PyTypeObject *encoded = (PyTypeObject *)args[1];
     /* heads: the three field tags (one byte each) and the scope field */
     char tag[3];
@@ -90,20 +92,45 @@ static PyObject *request(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 
     Py_ssize_t n = PyList_GET_SIZE(spans), ngroups = 0, nres = 0;
     struct group g[MAX_GROUPS];
-    PyObject *res_obj[MAX_GROUPS]; /* borrowed: the spans hold them */
+    PyObject *res_obj[MAX_GROUPS]; /* borrowed: the spans (or `keep`) hold them */
     int res_group[MAX_GROUPS];
     unsigned char *gid = PyMem_Malloc(n ? (size_t)n : 1);
+    PyObject **bodies = PyMem_Malloc((n ? (size_t)n : 1) * sizeof(PyObject *));
+    /* what this call made for a model.Span: its body and resource, alive until we return */
+    PyObject *keep = PyList_New(0);
     PyObject *out = NULL;
-    if (gid == NULL)
-        return PyErr_NoMemory();
+    if (gid == NULL || bodies == NULL || keep == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
 
     int last = -1; /* the previous span's resource slot: batches are mostly one process */
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *span = PyList_GET_ITEM(spans, i);
-        PyObject *body = body_of(span, encoded);
-        if (body == NULL)
-            goto fallback;
-        PyObject *res = PyTuple_GET_ITEM(span, 0);
+        PyObject *body = body_of(span, encoded), *res;
+        if (body != NULL) {
+            res = PyTuple_GET_ITEM(span, 0);
+        } else { /* a model.Span (a child span the stages made): encoded in Python */
+            body = PyObject_CallOneArg(encode_span, span);
+            if (body == NULL)
+                goto done;
+            int err = PyList_Append(keep, body);
+            Py_DECREF(body);
+            if (err < 0)
+                goto done;
+            if (!PyBytes_CheckExact(body)) {
+                PyErr_SetString(PyExc_TypeError, "encode_span returns bytes");
+                goto done;
+            }
+            res = PyObject_GetAttrString(span, "resource");
+            if (res == NULL)
+                goto done;
+            err = PyList_Append(keep, res);
+            Py_DECREF(res);
+            if (err < 0)
+                goto done;
+        }
+        bodies[i] = body;
         int r = last;
         if (r < 0 || res_obj[r] != res) {
             for (r = 0; r < nres && res_obj[r] != res; r++)
@@ -167,13 +194,10 @@ static PyObject *request(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         for (Py_ssize_t i = 0; i < n; i++) {
             if (gid[i] != k)
                 continue;
-            /* checked above; the list is the caller's, and nothing ran since but
-             * resource_field, before any span was framed */
-            PyObject *body = PyTuple_GET_ITEM(PyList_GET_ITEM(spans, i), 1);
-            Py_ssize_t len = PyBytes_GET_SIZE(body);
+            Py_ssize_t len = PyBytes_GET_SIZE(bodies[i]);
             *p++ = t_ss_span;
             p = put_varint(p, (uint64_t)len);
-            memcpy(p, PyBytes_AS_STRING(body), (size_t)len);
+            memcpy(p, PyBytes_AS_STRING(bodies[i]), (size_t)len);
             p += len;
         }
     }
@@ -183,6 +207,8 @@ fallback:
 done:
     for (int k = 0; k < ngroups; k++)
         Py_DECREF(g[k].field);
+    Py_XDECREF(keep);
+    PyMem_Free(bodies);
     PyMem_Free(gid);
     return out;
 }

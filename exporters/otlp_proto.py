@@ -5,8 +5,8 @@ here the spans are grouped under their ResourceSpans/ScopeSpans. A span the span
 wrote as bytes (model.EncodedSpan, the object-free path) is placed as it is, never re-encoded.
 Senders send the bytes as they are; `encode_request` parses them into a message for callers that
 want one. Where `_request_bytes.c` was compiled at install, a batch of EncodedSpans is framed in
-one C call (its bodies copied once, no Python per span); `encode_request_bytes_py` is the
-reference, and the path for model.Span objects.
+one C call (its bodies copied once, no Python per span but a model.Span's encode_span);
+`encode_request_bytes_py` is the reference.
 """
 
 from __future__ import annotations
@@ -57,15 +57,15 @@ def encode_request_bytes(spans: Iterable[Span | EncodedSpan]) -> bytes:
     first appearance, each with one ScopeSpans for the tracejoin scope."""
     if _request is not None:
         batch = spans if type(spans) is list else list(spans)
-        out = _request(batch, EncodedSpan, resource_field, _HEADS)
+        out = _request(batch, EncodedSpan, resource_field, _HEADS, encode_span)
         if out is not None:
             return out
-        spans = batch  # a model.Span among them, or more resources than the C groups
+        spans = batch  # more resources than the C groups
     return encode_request_bytes_py(spans)
 
 
 def encode_request_bytes_py(spans: Iterable[Span | EncodedSpan]) -> bytes:
-    """encode_request_bytes in Python: the reference, and the path for model.Span objects."""
+    """encode_request_bytes in Python: the reference, and the fallback."""
     # Look the Resource up by object identity (cheap), and hash it by value only once per
     # distinct object per batch, so equal Resources from different objects still share a group.
     groups: dict[bytes, list[bytes]] = {}

@@ -271,12 +271,14 @@ def test_proto_groups_equal_resources_from_distinct_objects() -> None:
 def test_compiled_request_framing_writes_the_reference_bytes() -> None:
     """_request_bytes.c frames EncodedSpans exactly as encode_request_bytes_py does: equal
     resources from distinct objects share a group, in order of first appearance; bodies at
-    each varint length boundary. A model.Span among them, or more resources than it groups,
-    leaves the batch to Python (None), and the request is still the same."""
+    each varint length boundary; a model.Span among them (a child span the stages made) encoded
+    in place. More resources than it groups leave the batch to Python (None), and the request
+    is still the same."""
     assert otlp_proto.COMPILED, "_request_bytes.c was not built (scripts/setup.sh builds it)"
 
     def framed(spans: list[EncodedSpan | Span]) -> bytes | None:
-        return otlp_proto._request_c(spans, EncodedSpan, resource_field, otlp_proto._HEADS)
+        heads = otlp_proto._HEADS
+        return otlp_proto._request_c(spans, EncodedSpan, resource_field, heads, encode_span)
 
     twin = Resource(tuple(RES_A.attributes))  # equal, not identical
     resources = [RES_A, RES_B, twin, RES_A, RES_B, twin]
@@ -287,13 +289,12 @@ def test_compiled_request_framing_writes_the_reference_bytes() -> None:
 
     objects = [make_span(i, r) for i, r in enumerate(resources)]
     real = [EncodedSpan(s.resource, encode_span(s)) for s in objects]
-    assert framed(real) is not None
-    assert encode_request_bytes(real) == encode_request_bytes(objects)  # C, and Python's objects
+    want = otlp_proto.encode_request_bytes_py(objects)
+    assert framed(real) == want == framed(objects)  # bytes, Span objects, or both mixed
+    assert framed([*real[:3], *objects[3:]]) == want
+    assert encode_request_bytes(real) == want
     assert len(encode_request(real).resource_spans) == 2
 
-    mixed = [*real, make_span(9)]
-    assert framed(mixed) is None
-    assert encode_request_bytes(mixed) == otlp_proto.encode_request_bytes_py(mixed)
     many = [EncodedSpan(Resource((("service.name", f"s{i}"),)), b"x") for i in range(65)]
     assert framed(many[:64]) is not None and framed(many) is None
     assert encode_request_bytes(many) == otlp_proto.encode_request_bytes_py(many)

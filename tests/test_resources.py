@@ -26,6 +26,7 @@ from tracejoin.enrich.resources import (
     ProcessFacts,
     ResourceResolver,
     read_process_facts,
+    read_process_stamp,
 )
 
 OTHER_UID = "99999999-8888-7777-6666-555555555555"
@@ -265,6 +266,56 @@ def test_facts_are_cached_then_read_again_after_expiry() -> None:
     assert again.get("service.name") == "api-v2" and procs.calls == 3
     clock.t += REVALIDATE_S
     assert r.resource(100) is again
+
+
+def test_an_unchanged_stamp_skips_the_facts_and_keeps_the_resource() -> None:
+    """The once-an-interval check reads the process's stamp first: unchanged, the facts are not
+    read again and the very same Resource is kept; changed (an exec, a recycled pid), the facts
+    are read and the resource rebuilt. Gone (no stamp): the facts say so, as before."""
+    clock = Clock()
+    procs = Procs({100: ProcessFacts(1.0, "api", "api", None)})
+    stamps = {100: b"1 api"}
+    r = resolver(procs, clock=clock, stamp=stamps.get)
+    first = r.resource(100)
+    assert procs.calls == 1
+    for _ in range(3):
+        clock.t += REVALIDATE_S
+        assert r.resource(100) is first
+    assert procs.calls == 1  # three checks, no facts read
+    procs.table[100], stamps[100] = ProcessFacts(1.0, "api-v2", "api-v2", None), b"1 api-v2"
+    clock.t += REVALIDATE_S
+    assert r.resource(100).get("service.name") == "api-v2" and procs.calls == 2
+    procs.table[100] = None
+    del stamps[100]
+    clock.t += REVALIDATE_S
+    assert r.resource(100).get("service.name") == "unknown_service" and procs.calls == 3
+
+
+def test_a_real_process_stamp_changes_with_exec_and_not_with_time() -> None:
+    """read_process_stamp over /proc: the same for a process that only runs on (its CPU times
+    move in the same stat file), another once it execs another program under the same pid."""
+    me = read_process_stamp(os.getpid())
+    spent = time.process_time()
+    while time.process_time() - spent < 0.05:  # past a few of stat's 10 ms CPU ticks
+        pass
+    assert read_process_stamp(os.getpid()) == me
+    child = subprocess.Popen(
+        ["sh", "-c", "read _; exec sleep 30"], stdin=subprocess.PIPE, text=True
+    )
+    try:
+        before = read_process_stamp(child.pid)
+        assert before is not None and b"sh" in before
+        assert read_process_stamp(child.pid) == before
+        assert child.stdin is not None
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        wait_for(lambda: read_process_stamp(child.pid) != before, "the exec")
+        after = read_process_stamp(child.pid)
+        assert after is not None and b"sleep" in after
+    finally:
+        child.kill()
+        child.wait()
+    assert read_process_stamp(child.pid) is None  # reaped: gone
 
 
 def test_the_cache_is_bounded() -> None:

@@ -30,6 +30,7 @@ process context (certain), else a connection to an OTLP port (a heuristic, said 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -133,6 +134,38 @@ def read_process_facts(pid: int, reads: ProcReads | None = None) -> ProcessFacts
     return ProcessFacts(start, name, exe, read_cgroup(pid))
 
 
+def read_process_stamp(pid: int) -> bytes | None:
+    """What read_process_facts reads pid's facts from, raw and cheap: the comm and start time
+    in /proc/<pid>/stat, the exe link, the cgroup file, and argv when psutil's name comes from
+    it (a comm cut at 15 characters). Equal stamps, equal facts: the once-a-REVALIDATE_S check
+    of a known process is these reads (~20 µs), not psutil's and a rebuilt resource. Taken
+    before the facts, so a change between the two is seen at the next check. None: the stat
+    file cannot be read (the process is gone); an unreadable link or file is part of it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    head, _, rest = stat.rpartition(b")")  # the comm may hold spaces and parentheses
+    fields = rest.split(b" ", 21)
+    if len(fields) < 21:
+        return None
+    comm = head.partition(b"(")[2]
+    parts = [fields[20], comm]  # field 22, the start time in clock ticks since boot
+    for path in (f"/proc/{pid}/exe", f"/proc/{pid}/cgroup", f"/proc/{pid}/cmdline"):
+        if path.endswith("cmdline") and len(comm) < 15:
+            break
+        try:
+            if path.endswith("exe"):
+                parts.append(os.fsencode(os.readlink(path)))
+            else:
+                with open(path, "rb") as f:
+                    parts.append(f.read())
+        except OSError as exc:
+            parts.append(b"\0" + str(exc.errno).encode())
+    return b"\0\0".join(parts)
+
+
 def env_resource_attributes() -> dict[str, AttrValue]:
     """OTEL_RESOURCE_ATTRIBUTES as the OpenTelemetry SDK reads it (W3C Baggage octets,
     percent-decoded values), less the keys that cannot describe an observed process. The SDK
@@ -193,6 +226,7 @@ def parse_instrumented_services(items: tuple[str, ...]) -> dict[str, bool]:
 @dataclass(frozen=True, slots=True)
 class _Entry:
     facts: ProcessFacts | None  # None: the process was gone when first looked up
+    stamp: bytes | None  # read_process_stamp before the facts were read; None: none taken
     served: ServedProcess
     valid_until: float  # clock() after which the facts are read again
     pods_generation: int  # the PodCache snapshot the resource was built from
@@ -212,6 +246,7 @@ class ResourceResolver:
         kubelet: KubeletClient | None,
         node_name: str | None,
         facts: Callable[[int], ProcessFacts | None] | None = None,
+        stamp: Callable[[int], bytes | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         revalidate_s: float = REVALIDATE_S,
         max_entries: int = MAX_ENTRIES,
@@ -231,6 +266,8 @@ class ResourceResolver:
         self._node_name = node_name or None
         # denied reads of another process's executable are counted, and logged once
         self._facts = facts or functools.partial(read_process_facts, reads=ProcReads(metrics))
+        # the cheap check of whether the facts changed: /proc's, unless the facts are a test's
+        self._stamp = stamp or (read_process_stamp if facts is None else None)
         self._clock = clock
         self._revalidate_s = revalidate_s
         self._max_entries = max_entries
@@ -277,20 +314,30 @@ class ResourceResolver:
                 self._cache.move_to_end(pid)
                 return entry.served
         if fresh and entry is not None:
-            facts = entry.facts  # only the pod list or an inspection changed: no /proc read
-            valid_until = entry.valid_until
+            # only the pod list or an inspection changed: no /proc read
+            facts, stamp, valid_until = entry.facts, entry.stamp, entry.valid_until
         else:
-            facts = self._facts(pid)
+            # taken before the facts: a change between the two is seen at the next check
+            stamp = self._stamp(pid) if self._stamp is not None else None
             valid_until = now + self._revalidate_s
-            if facts is None:
-                if entry is None or entry.facts is not None:
-                    self.metrics.inc("resource_process_gone")
-            elif (
-                entry is not None
-                and entry.facts is not None
-                and entry.facts.start_time != facts.start_time
-            ):
-                self.metrics.inc("resource_pid_reused")
+            if entry is not None and stamp is not None and stamp == entry.stamp:
+                facts = entry.facts  # read from the same raw facts: not read again
+                if entry.pods_generation == generation and entry.inspected_generation == inspected:
+                    with self._lock:
+                        self._cache[pid] = dataclasses.replace(entry, valid_until=valid_until)
+                        self._cache.move_to_end(pid)
+                    return entry.served
+            else:
+                facts = self._facts(pid)
+                if facts is None:
+                    if entry is None or entry.facts is not None:
+                        self.metrics.inc("resource_process_gone")
+                elif (
+                    entry is not None
+                    and entry.facts is not None
+                    and entry.facts.start_time != facts.start_time
+                ):
+                    self.metrics.inc("resource_pid_reused")
         # off the reader thread: a cached answer, or (a new process) a bounded wait for one
         inspection = (
             self.inspector.get((pid, facts.start_time))
@@ -308,7 +355,7 @@ class ResourceResolver:
             if mismatch:
                 self.metrics.inc("kubelet_uid_mismatch")
         with self._lock:
-            self._cache[pid] = _Entry(facts, served, valid_until, generation, inspected)
+            self._cache[pid] = _Entry(facts, stamp, served, valid_until, generation, inspected)
             self._cache.move_to_end(pid)
             while len(self._cache) > self._max_entries:
                 self._cache.popitem(last=False)
