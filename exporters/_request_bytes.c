@@ -22,27 +22,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "varint.h"
+
 #define MAX_GROUPS 64 /* distinct resources a request (one per served process) */
-
-static Py_ssize_t varint_len(uint64_t v)
-{
-    Py_ssize_t n = 1;
-    while (v >= 0x80) {
-        v >>= 7;
-        n++;
-    }
-    return n;
-}
-
-static char *put_varint(char *p, uint64_t v)
-{
-    while (v >= 0x80) {
-        *p++ = (char)((v & 0x7f) | 0x80);
-        v >>= 7;
-    }
-    *p++ = (char)v;
-    return p;
-}
 
 struct group {
     PyObject *field;       /* ResourceSpans.resource field (a new reference) */

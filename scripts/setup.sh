@@ -96,7 +96,8 @@ venv() {
             && [ "$stamp" -nt agent/enrich/plain_traceparent.h ] \
             && [ "$stamp" -nt bpf/http_record.h ] \
             && [ "$stamp" -nt agent/kernel/_ring_read.c ] \
-            && [ "$stamp" -nt exporters/_request_bytes.c ]; then return 0; fi
+            && [ "$stamp" -nt exporters/_request_bytes.c ] \
+            && [ "$stamp" -nt agent/core/varint.h ]; then return 0; fi
     done
     say "installing tracejoin ($kind dependencies) into $VENV"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$spec"

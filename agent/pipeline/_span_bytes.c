@@ -29,29 +29,10 @@
 
 #include "http_record.h"
 #include "plain_traceparent.h"
+#include "varint.h"
 
 #define T_SPAN_ATTR 0x4a /* Span.attributes (9), length-delimited */
 #define T_ANY_INT 0x18   /* AnyValue.int_value (3), varint */
-
-static Py_ssize_t varint_len(uint64_t v)
-{
-    Py_ssize_t n = 1;
-    while (v >= 0x80) {
-        v >>= 7;
-        n++;
-    }
-    return n;
-}
-
-static char *put_varint(char *p, uint64_t v)
-{
-    while (v >= 0x80) {
-        *p++ = (char)((v & 0x7f) | 0x80);
-        v >>= 7;
-    }
-    *p++ = (char)v;
-    return p;
-}
 
 /* The int after an IntKey at parts[i]; -1 with an exception set when it is missing, not an int
  * or out of range. */
