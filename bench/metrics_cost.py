@@ -6,7 +6,8 @@ Each case is timed interleaved with the others, best of many short runs (a share
 noise only ever adds time). Baselines in the same run: an empty Python call of the same shape,
 and prometheus_client's own Counter (which tracejoin.core.metrics renders through but does not
 count with: its labelled path costs more). `--against REV` adds the Metrics class of
-agent/core/metrics.py at that git revision, for a before/after.
+agent/core/metrics.py at that git revision, for a before/after. Then a /metrics scrape's
+rendering: Metrics.prometheus_text beside prometheus_client's generate_latest.
 """
 
 from __future__ import annotations
@@ -90,6 +91,19 @@ def main() -> None:
         print(f"{what:<36}" + "".join(f"{best[(what, label)]:12.0f}" for label in subjects))
     for what in extra:
         print(f"{what:<36}{best[(what, '')]:12.0f}")
+
+    # A scrape's rendering, every series a fresh agent declares (~130 samples): tracejoin's
+    # writer beside prometheus_client's generate_latest over the same registry, best of 10.
+    m = Metrics()
+    render = {
+        "prometheus_text()": m.prometheus_text,
+        "generate_latest (reference)": m.prometheus_text_reference,
+    }
+    us = {n: min(timeit.repeat(f, number=50, repeat=10)) * 1e6 / 50 for n, f in render.items()}
+    samples = sum(1 for line in m.prometheus_text().splitlines() if not line.startswith("#"))
+    print(f"{'µs per scrape render (' + str(samples) + ' samples)':<36}")
+    for name, v in us.items():
+        print(f"  {name:<34}{v:12.0f}")
 
 
 if __name__ == "__main__":

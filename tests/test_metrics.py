@@ -183,6 +183,30 @@ def test_exposition_has_help_and_type_for_every_declared_metric() -> None:
         assert (kind, help_text) == (m.kind, m.help), m.name
 
 
+def test_the_exposition_is_byte_for_byte_prometheus_clients() -> None:
+    """prometheus_text writes what prometheus_client's generate_latest writes for the same
+    values: every declared metric, a series for each, labels sorted by name and escaped
+    (backslash, newline, double quote, non-ASCII), values as Go formats them (integers as
+    floats, large ones in exponent form, +Inf), after a series changed and after new ones came."""
+    m = Metrics()
+    assert m.prometheus_text() == m.prometheus_text_reference()
+    for i, met in enumerate(METRICS):
+        labels = {
+            label: (met.values[label][-1] if label in met.values else f'v"{i}\\\né')
+            for label in met.labels
+        }
+        value = (i * 1_000_003.25, float("inf"), 0.1, 12_345_678_901)[i % 4]
+        if met.kind == "counter" and not met.copied:
+            m.inc(met.name, value, **labels)
+        else:
+            m.set(met.name, value, **labels)
+    first = m.prometheus_text()
+    assert first == m.prometheus_text_reference()
+    m.inc("spans_exported", 5, exporter="otlp")
+    m.inc("spans_exported", 1, exporter="a-new-one")
+    assert m.prometheus_text() == m.prometheus_text_reference() != first
+
+
 def test_series_known_up_front_start_at_zero() -> None:
     got = served(Metrics())
     for m in METRICS:
