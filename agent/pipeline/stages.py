@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 # The reader takes what the ring holds every POLL_MS (the kernel wakes it earlier only when half
 # the ring could be full): one wake-up per batch instead of one per record; spans leave at most
-# this much later (the exporters send once a second at the rates where it waits this long). A
+# this much later (the OTLP exporter sends every --export-interval, 2 s by default, at the rates
+# where it waits this long). A
 # wake-up is dear: ~70-140 µs of the thread's CPU on the 2-vCPU KVM guests (an empty epoll wait,
 # alone: bench.idle_cost), and each batch starts with cold caches. At 500 req/s, 200 ms instead
 # of 100 took the reader from ~7 to ~5 µs per record (docs/performance.md).
