@@ -201,7 +201,8 @@ struct ws_note {
     u64 seq;                    /* OPEN: the record's key in `reqs` (req_map_seq); CLOSE: the
                                  * request's seq (its work set's key) */
     u64 conn_id;
-    u64 end_ns;
+    u64 arg;                    /* OPEN: the request's own seq (the entry may hold a later
+                                 * request of the connection by then); CLOSE: its end, in ns */
     u32 tid;                    /* the thread whose syscall exit runs it */
     u32 kind;                   /* WS_NOTE_*; 0: empty */
 };

@@ -17,13 +17,13 @@
  * the verifier's limit); the thread's syscall exit does the work (run_notes, from syscall_exit() in
  * http_conn.h), in the same thread a few microseconds later. */
 static __always_inline void note(struct scratch *s, u32 kind, u32 tid, u64 seq, u64 conn_id,
-                                 u64 end_ns)
+                                 u64 arg)
 {
     u32 k = s->nnotes & (WS_NOTES - 1);
     s->notes[k].sk = s->sk;
     s->notes[k].seq = seq;
     s->notes[k].conn_id = conn_id;
-    s->notes[k].end_ns = end_ns;
+    s->notes[k].arg = arg;
     s->notes[k].tid = tid;
     s->notes[k].kind = kind;
     s->nnotes = s->nnotes + 1;
@@ -32,7 +32,7 @@ static __always_inline void note(struct scratch *s, u32 kind, u32 tid, u64 seq, 
 /* A request was read (scan_req): its thread statistics start at the read's syscall exit. */
 static __always_inline void start_thread_stats(struct scratch *s, struct http_record *rec)
 {
-    note(s, WS_NOTE_OPEN, rec->tid, req_map_seq(rec), rec->conn_id, 0);
+    note(s, WS_NOTE_OPEN, rec->tid, req_map_seq(rec), rec->conn_id, rec->seq);
 }
 
 /* At the read's exit, in the reading thread: snapshot its totals into the record as negatives
@@ -166,12 +166,12 @@ static __always_inline void run_notes_for(u32 tid)
         if (n->kind == WS_NOTE_OPEN) {
             struct req_key key = {.sk = n->sk, .seq = n->seq};    /* req_map_seq */
             struct http_record *rec = reqs.lookup(&key);
-            if (rec && rec->conn_id == n->conn_id && req_map_seq(rec) == n->seq)
+            if (rec && rec->conn_id == n->conn_id && rec->seq == n->arg)
                 open_request_stats(rec, tid);
         }
 #ifdef WITH_WORKSET
         else {
-            ws_close(n->conn_id, n->seq, n->end_ns);
+            ws_close(n->conn_id, n->seq, n->arg);
         }
 #endif
         n->kind = 0;
