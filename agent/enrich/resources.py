@@ -142,8 +142,7 @@ def read_process_stamp(pid: int) -> bytes | None:
     before the facts, so a change between the two is seen at the next check. None: the stat
     file cannot be read (the process is gone); an unreadable link or file is part of it."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+        stat = _read_bytes(f"/proc/{pid}/stat")
     except OSError:
         return None
     head, _, rest = stat.rpartition(b")")  # the comm may hold spaces and parentheses
@@ -152,18 +151,25 @@ def read_process_stamp(pid: int) -> bytes | None:
         return None
     comm = head.partition(b"(")[2]
     parts = [fields[20], comm]  # field 22, the start time in clock ticks since boot
-    for path in (f"/proc/{pid}/exe", f"/proc/{pid}/cgroup", f"/proc/{pid}/cmdline"):
-        if path.endswith("cmdline") and len(comm) < 15:
-            break
-        try:
-            if path.endswith("exe"):
-                parts.append(os.fsencode(os.readlink(path)))
-            else:
-                with open(path, "rb") as f:
-                    parts.append(f.read())
-        except OSError as exc:
-            parts.append(b"\0" + str(exc.errno).encode())
+    parts.append(_raw(os.readlink, f"/proc/{pid}/exe"))
+    parts.append(_raw(_read_bytes, f"/proc/{pid}/cgroup"))
+    if len(comm) >= 15:  # cut: psutil names it from argv[0]
+        parts.append(_raw(_read_bytes, f"/proc/{pid}/cmdline"))
     return b"\0\0".join(parts)
+
+
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _raw(read: Callable[[str], str | bytes], path: str) -> bytes:
+    """read(path) as bytes, or the errno it failed with (a denial is part of a stamp too)."""
+    try:
+        got = read(path)
+    except OSError as exc:
+        return b"\0" + str(exc.errno).encode()
+    return os.fsencode(got) if isinstance(got, str) else got
 
 
 def env_resource_attributes() -> dict[str, AttrValue]:
