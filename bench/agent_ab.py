@@ -1,16 +1,17 @@
 """The agent as deployed against one variant of it, beside no agent: the latency of the work
 that shares the agent's CPU, and the agent's CPU per request.
 
-    sudo python -m bench.agent_ab [--variant sched_batch | --variant '--export-interval 1']
+    sudo python -m bench.agent_ab [--variant sched_batch|sched_idle|nice=N|slice=MS
+                                   | --variant '--cpu-slice-ms 0']
                                   [--path /] [--rate 40000] [--conns 16] [--rounds 4]
                                   [--seconds 5]
 
 bench.run's placement: the Go server alone on CPU1; the open-loop load generator (nice -10)
 and `tracejoin run` (--cpu-budget 0, OTLP/HTTP to bench/otlp_sink) on CPU0. Per round, in an
 order that rotates: no agent ("off"), the agent as deployed ("as_deployed") and the variant:
-`sched_batch` moves every thread of the agent to SCHED_BATCH once it is ready (threads it
-starts later inherit it: the same weight, but a waking thread never preempts the task running
-on its CPU); anything else is extra `tracejoin run` arguments. Prints each phase's p50 and p99
+`sched_batch`, `sched_idle`, `nice=N` and `slice=MS` (a requested EEVDF slice) move every
+thread of the agent to that scheduling once it is ready (threads it starts later inherit it);
+anything else is extra `tracejoin run` arguments. Prints each phase's p50 and p99
 (counted from each request's due time) and, per round, each agent's change against that
 round's no-agent phase; then the medians. The ms-scale server: --path '/sleep?ms=5'
 --rate 5000 --conns 96.
@@ -23,10 +24,23 @@ import os
 import shlex
 import statistics
 import sys
+from collections.abc import Callable
+
+from tracejoin.host.scheduling import set_slice
 
 from bench import measure as m
 
 MODES = ("off", "as_deployed", "variant")
+
+
+# Variants that change how the kernel schedules the agent's threads once it is ready (threads
+# it starts later inherit it), by name (and =VALUE).
+SCHEDULING: dict[str, Callable[[int, str], None]] = {
+    "sched_batch": lambda tid, _: os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0)),
+    "sched_idle": lambda tid, _: os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0)),
+    "nice": lambda tid, value: os.setpriority(os.PRIO_PROCESS, tid, int(value)),
+    "slice": lambda tid, value: set_slice(tid, float(value)),
+}
 
 
 def phase(port: int, sink: int, mode: str, args: argparse.Namespace) -> dict[str, float]:
@@ -37,15 +51,17 @@ def phase(port: int, sink: int, mode: str, args: argparse.Namespace) -> dict[str
         r = load()
         return {"p50": r["latency_us"]["p50"], "p99": r["latency_us"]["p99"], "cpu_us": 0.0}
     extra = ["--cpu-budget", "0"]
-    if mode == "variant" and args.variant != "sched_batch":
+    scheduling = mode == "variant" and args.variant.split("=")[0] in SCHEDULING
+    if mode == "variant" and not scheduling:
         extra += shlex.split(args.variant)
     agent = m.AgentRun([port], 0, sink_port=sink, extra_args=extra)
     agent.start()
     try:
-        if mode == "variant" and args.variant == "sched_batch":
+        if scheduling:
             assert agent.proc is not None
+            name, _, value = args.variant.partition("=")
             for tid in os.listdir(f"/proc/{agent.proc.pid}/task"):
-                os.sched_setscheduler(int(tid), os.SCHED_BATCH, os.sched_param(0))
+                SCHEDULING[name](int(tid), value)
         c0 = agent.cpu_split()
         r = load()
         c1 = agent.cpu_split()
@@ -60,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--variant",
         default="sched_batch",
-        help="sched_batch, or extra `tracejoin run` arguments (one string)",
+        help="sched_batch, sched_idle, nice=N, slice=MS (a requested EEVDF slice), or extra "
+        "`tracejoin run` arguments (one string)",
     )
     ap.add_argument("--path", default="/", help="the Go server's path ('/sleep?ms=5': ms-scale)")
     ap.add_argument("--rate", type=float, default=40_000, help="requests a second, open loop")

@@ -1297,18 +1297,22 @@ def test_agent_loads_probes_and_captures_under_the_seccomp_profile(
     passes (trial BPF program compiled, loaded, attached); `tracejoin capture` loads every
     probe and writes the spans of real requests with their ids. Control: the same profile
     without bpf, as a runtime default that gates bpf on CAP_SYS_ADMIN behaves, fails the trial
-    load, so the filter really was in force."""
+    load, so the filter really was in force (and without sched_setattr, the CPU slice)."""
     code, checks = _doctor(CAPABILITIES, SECCOMP_PROFILE)
     assert code == 0, checks
     assert checks["bpf trial load"]["status"] == "available", checks["bpf trial load"]
+    # --cpu-slice-ms: sched_setattr is allowed, and no capability is needed (Linux 6.12+)
+    slices = tuple(int(x) for x in os.uname().release.split(".")[:2]) >= (6, 12)
+    assert checks["cpu slice"]["status"] == ("available" if slices else "fallback")
 
     without_bpf = _profile()
     for rule in without_bpf["syscalls"]:
-        rule["names"] = [n for n in rule["names"] if n != "bpf"]
+        rule["names"] = [n for n in rule["names"] if n not in ("bpf", "sched_setattr")]
     stripped = tmp_path / "no-bpf.json"
     stripped.write_text(json.dumps(without_bpf))
     code, checks = _doctor(CAPABILITIES, stripped)
     assert code == 1 and checks["bpf trial load"]["status"] == "unavailable", checks
+    assert checks["cpu slice"]["status"] == "fallback", checks["cpu slice"]
 
     pid, _, port = other_user_server
     out = tmp_path / "capture"

@@ -156,6 +156,11 @@ METRICS: tuple[Metric, ...] = (
         "(1: every request is sent).",
     ),
     gauge("agent_cpu_share", "The agent's CPU over the last second, as a share of one CPU."),
+    gauge(
+        "cpu_slice_seconds",
+        "The CPU slice the agent's threads run with (--cpu-slice-ms), as the kernel reports it; "
+        "0 where they keep the kernel's default.",
+    ),
     counter(
         "requests_sampled_out",
         "Requests the overload budget kept in the kernel, by server port (not a loss: "

@@ -30,6 +30,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from tracejoin.host.scheduling import DEFAULT_SLICE_MS, Slice, request_slice
 from tracejoin.kernel import probes
 from tracejoin.kernel.compiled import DEFAULT_CACHE_DIR
 from tracejoin.kernel.features import FeatureResult, probe_features
@@ -150,6 +151,7 @@ class DoctorOptions:
     perf_open: PerfOpen | None = None  # default: the real perf_event_open(2)
     bpf_trial: Callable[[], ProbeResult] | None = None  # default: bpf_trial_load
     nvml_probe: Callable[[], ProbeResult] | None = None  # default: nvml_status
+    cpu_slice: Callable[[float], Slice] | None = None  # default: request_slice
     bpf_features: Callable[[], list[FeatureResult]] | None = None  # default: probe_features
     bpf_cache: Path = DEFAULT_CACHE_DIR  # --bpf-cache
 
@@ -324,6 +326,7 @@ def run_checks(options: DoctorOptions | None = None) -> Report:
         check_traceparent_reader(),
         check_span_encoder(),
         check_request_framing(),
+        check_cpu_slice(opts.cpu_slice or request_slice),
     ]
     checks.append(_from_probe("bpf trial load", "BPF", True, opts.bpf_trial or bpf_trial_load))
     checks.append(_from_probe("nvml", "GPU", False, opts.nvml_probe or nvml_status))
@@ -449,6 +452,29 @@ def check_traceparent_reader() -> Check:
         "compiled common case (_trace_context.c); the W3C rules in Python for the rest",
         "Python for every traceparent: the install had no C compiler; the same trace "
         "contexts, more agent CPU per record (docs/performance.md)",
+    )
+
+
+def check_cpu_slice(request: Callable[[float], Slice]) -> Check:
+    """Whether this kernel gives the agent's threads the long slice they ask for
+    (--cpu-slice-ms), so that a workload thread that wakes on their CPU preempts them: asked
+    here, for the doctor's own threads."""
+    got = request(DEFAULT_SLICE_MS)
+    if got.honoured:
+        return Check(
+            "cpu slice",
+            "Kernel",
+            Status.AVAILABLE,
+            f"a requested {DEFAULT_SLICE_MS:g} ms slice is honoured: a workload thread that "
+            "wakes on the agent's CPU runs at once",
+        )
+    return Check(
+        "cpu slice",
+        "Kernel",
+        Status.FALLBACK,
+        got.describe(),
+        fix="nothing to do: the agent runs with the kernel's default slice (Linux 6.12+ "
+        "honours a requested one; a seccomp profile must allow sched_setattr)",
     )
 
 
