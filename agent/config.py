@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import click
 import yaml
 from click.core import ParameterSource
-from tracejoin.host.scheduling import DEFAULT_SLICE_MS, MAX_SLICE_MS
+from tracejoin.host.scheduling import MAX_SLICE_MS
 from tracejoin.kernel.compiled import DEFAULT_CACHE_DIR
 
 T = TypeVar("T")
@@ -200,13 +200,14 @@ class Settings:
         "losses. 0: never.",
         ENV + "CPU_BUDGET",
     )
-    cpu_slice_ms: float = option(
-        DEFAULT_SLICE_MS,
+    cpu_slice_ms: float | None = option(
+        None,
         click.FloatRange(0.0, MAX_SLICE_MS),
         "The CPU time slice, in ms, the agent's threads ask the scheduler for (Linux 6.12+; "
-        "0.1-100, 0: the kernel's default, ~1-3 ms). Longer than the default, a workload "
-        "thread that wakes on the agent's CPU runs at once instead of after the agent's slice; "
-        "the agent's share of a busy CPU is unchanged. Older kernels ignore it.",
+        "0.1-100). Longer than the kernel's default, a workload thread that wakes on the "
+        "agent's CPU runs at once instead of after the agent's slice; the agent's share of a "
+        "busy CPU is unchanged, in turns as long as the slice. Default: twice the kernel's "
+        "default slice; 0: the kernel's default. Older kernels ignore it.",
         ENV + "CPU_SLICE_MS",
     )
     bpf_cache: str = option(

@@ -7,7 +7,8 @@ that shares the agent's CPU, and the agent's CPU per request.
                                   [--seconds 5]
 
 bench.run's placement: the Go server alone on CPU1; the open-loop load generator (nice -10)
-and `tracejoin run` (--cpu-budget 0, OTLP/HTTP to bench/otlp_sink) on CPU0. Per round, in an
+and `tracejoin run` (--cpu-budget 0, OTLP/HTTP to bench/otlp_sink) on CPU0 (`--agent-cpu 1`: on
+the server's CPU instead). Per round, in an
 order that rotates: no agent ("off"), the agent as deployed ("as_deployed") and the variant:
 `sched_batch`, `sched_idle`, `nice=N` and `slice=MS` (a requested EEVDF slice) move every
 thread of the agent to that scheduling once it is ready (threads it starts later inherit it);
@@ -54,7 +55,7 @@ def phase(port: int, sink: int, mode: str, args: argparse.Namespace) -> dict[str
     scheduling = mode == "variant" and args.variant.split("=")[0] in SCHEDULING
     if mode == "variant" and not scheduling:
         extra += shlex.split(args.variant)
-    agent = m.AgentRun([port], 0, sink_port=sink, extra_args=extra)
+    agent = m.AgentRun([port], args.agent_cpu, sink_port=sink, extra_args=extra)
     agent.start()
     try:
         if scheduling:
@@ -84,6 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conns", type=int, default=16, help="keep-alive connections")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=5, help="each phase")
+    ap.add_argument(
+        "--agent-cpu",
+        type=int,
+        default=0,
+        choices=(0, 1),
+        help="the agent's CPU: 0, the load generator's (bench.run's placement), or 1, the server's",
+    )
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("bench.agent_ab loads BPF programs: run it as root", file=sys.stderr)

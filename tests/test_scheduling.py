@@ -8,13 +8,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 from harness import free_ports, server
 from hostile import agent_process
 from tracejoin.host.doctor import check_cpu_slice
-from tracejoin.host.scheduling import DEFAULT_SLICE_MS, Slice
+from tracejoin.host.scheduling import AUTO_FACTOR, Slice
 
 HONOURED = tuple(int(x) for x in os.uname().release.split(".")[:2]) >= (6, 12)
 needs_slices = pytest.mark.skipif(not HONOURED, reason="requested slices are Linux 6.12+")
@@ -56,7 +57,7 @@ def before():
     done.set(); go.wait(); got["before"] = facts()
 t = threading.Thread(target=before); t.start(); done.wait()
 default = facts()["slice"]
-result = request_slice(float(sys.argv[1]))
+result = request_slice(None if sys.argv[1] == "auto" else float(sys.argv[1]))
 go.set(); t.join()
 after = threading.Thread(target=lambda: got.update(after=facts())); after.start(); after.join()
 got["main"] = facts()
@@ -65,7 +66,7 @@ print(json.dumps({"default": default, "threads": result.threads, "honoured": res
 """
 
 
-def _child(ms: float) -> dict:
+def _child(ms: float | str) -> dict:
     out = subprocess.run(
         [sys.executable, "-c", _CHILD, str(ms)], capture_output=True, text=True, timeout=30
     )
@@ -83,6 +84,15 @@ def test_every_thread_asks_for_the_slice_and_keeps_its_policy_and_nice() -> None
     assert got["after"]["slice"] == 7_500_000  # a thread started later inherits it
 
 
+@needs_slices
+def test_by_default_twice_the_kernels_default() -> None:
+    got = _child("auto")
+    want = round(AUTO_FACTOR * got["default"])
+    assert got["default"] > 0 and got["honoured"]
+    assert got["main"]["slice"] == got["before"]["slice"] == got["after"]["slice"] == want
+    assert got["before"]["nice"] == 3
+
+
 def test_zero_asks_for_nothing() -> None:
     got = _child(0)
     assert got["threads"] == 0 and not got["honoured"]
@@ -91,12 +101,14 @@ def test_zero_asks_for_nothing() -> None:
 
 
 def test_the_doctor_says_when_the_kernel_ignores_the_request() -> None:
-    ignored = check_cpu_slice(lambda ms: Slice(ms, 3, 0))
+    ignored = check_cpu_slice(lambda ms: Slice(2.8, 3, 0))
     assert ignored.status.value == "fallback" and "ignores it" in ignored.detail
-    refused = check_cpu_slice(lambda ms: Slice(ms, 0, 0, "sched_setattr(1): not permitted"))
+    refused = check_cpu_slice(lambda ms: Slice(2.8, 0, 0, "sched_setattr(1): not permitted"))
     assert refused.status.value == "fallback" and "not permitted" in refused.detail
-    granted = check_cpu_slice(lambda ms: Slice(ms, 3, round(ms * 1e6)))
-    assert granted.status.value == "available"
+    old_kernel = check_cpu_slice(lambda ms: Slice(0.0, 0, 0, "no default slice to go by"))
+    assert old_kernel.status.value == "fallback" and "no default slice" in old_kernel.detail
+    granted = check_cpu_slice(lambda ms: Slice(2.8, 3, 2_800_000, "", 1_400_000))
+    assert granted.status.value == "available" and "2.8 ms slice" in granted.detail
 
 
 @needs_slices
@@ -104,7 +116,8 @@ def test_the_doctor_says_when_the_kernel_ignores_the_request() -> None:
 @pytest.mark.usefixtures("require_root")
 def test_tracejoin_run_threads_run_with_the_slice(tmp_path: Path) -> None:
     """Every thread of a ready `tracejoin run` (the reader, the exporters, the metrics server)
-    has the default --cpu-slice-ms, and /metrics says so."""
+    has the default --cpu-slice-ms, twice the kernel's default slice, and /metrics says so."""
+    want = round(AUTO_FACTOR * slices(os.getpid())[threading.get_native_id()])
     port, metrics_port = free_ports(2)
     with server("go", port) as srv:
         args = ["--port", str(port), "--pid", str(srv.pid), "--no-gpu"]
@@ -113,5 +126,5 @@ def test_tracejoin_run_threads_run_with_the_slice(tmp_path: Path) -> None:
             agent.wait_ready()
             got = slices(agent.pid)
             assert len(got) >= 3, got
-            assert set(got.values()) == {round(DEFAULT_SLICE_MS * 1e6)}, got
-            assert agent.scrape().get("cpu_slice_seconds") == DEFAULT_SLICE_MS / 1e3
+            assert set(got.values()) == {want}, got
+            assert agent.scrape().get("cpu_slice_seconds") == want / 1e9

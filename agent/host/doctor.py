@@ -30,7 +30,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from tracejoin.host.scheduling import DEFAULT_SLICE_MS, Slice, request_slice
+from tracejoin.host.scheduling import Slice, request_slice
 from tracejoin.kernel import probes
 from tracejoin.kernel.compiled import DEFAULT_CACHE_DIR
 from tracejoin.kernel.features import FeatureResult, probe_features
@@ -151,7 +151,7 @@ class DoctorOptions:
     perf_open: PerfOpen | None = None  # default: the real perf_event_open(2)
     bpf_trial: Callable[[], ProbeResult] | None = None  # default: bpf_trial_load
     nvml_probe: Callable[[], ProbeResult] | None = None  # default: nvml_status
-    cpu_slice: Callable[[float], Slice] | None = None  # default: request_slice
+    cpu_slice: Callable[[float | None], Slice] | None = None  # default: request_slice
     bpf_features: Callable[[], list[FeatureResult]] | None = None  # default: probe_features
     bpf_cache: Path = DEFAULT_CACHE_DIR  # --bpf-cache
 
@@ -455,26 +455,20 @@ def check_traceparent_reader() -> Check:
     )
 
 
-def check_cpu_slice(request: Callable[[float], Slice]) -> Check:
-    """Whether this kernel gives the agent's threads the long slice they ask for
+def check_cpu_slice(request: Callable[[float | None], Slice]) -> Check:
+    """Whether this kernel gives the agent's threads the longer slice they ask for by default
     (--cpu-slice-ms), so that a workload thread that wakes on their CPU preempts them: asked
     here, for the doctor's own threads."""
-    got = request(DEFAULT_SLICE_MS)
+    got = request(None)
     if got.honoured:
-        return Check(
-            "cpu slice",
-            "Kernel",
-            Status.AVAILABLE,
-            f"a requested {DEFAULT_SLICE_MS:g} ms slice is honoured: a workload thread that "
-            "wakes on the agent's CPU runs at once",
-        )
+        return Check("cpu slice", "Kernel", Status.AVAILABLE, got.describe())
     return Check(
         "cpu slice",
         "Kernel",
         Status.FALLBACK,
         got.describe(),
         fix="nothing to do: the agent runs with the kernel's default slice (Linux 6.12+ "
-        "honours a requested one; a seccomp profile must allow sched_setattr)",
+        "honours a requested one; a seccomp profile must allow sched_getattr and sched_setattr)",
     )
 
 

@@ -1,18 +1,23 @@
-"""The agent's threads ask the CPU scheduler for a long slice (`--cpu-slice-ms`), so that a
-workload thread that wakes on their CPU runs at once instead of after the agent's slice.
+"""The agent's threads ask the CPU scheduler for a slice longer than the kernel's default
+(`--cpu-slice-ms`), so that a workload thread that wakes on their CPU runs at once instead of
+after the agent's slice.
 
-Linux's EEVDF scheduler (6.6+) lets a waking task preempt the running one only when the waking
-task asks for a shorter slice than the running one, or has the earlier virtual deadline; a task's
-deadline is its vruntime plus its slice. Every task asks for the default slice (base_slice_ns,
-~0.7 ms × (1 + log2 CPUs)), so a workload thread that wakes behind the agent's batch can wait that
-long: at ½ saturation of a 5 ms server that wait is the agent's share of the p99. With a longer
-slice of its own (sched_attr.sched_runtime, Linux 6.12+), the agent's deadline is later than a
-default task's, and a default task that wakes preempts it at once; the agent's weight, so its
-share of a saturated CPU (and the overload budget's view of it), is unchanged. Threads started
-later, and the compile's children, inherit it.
+Linux's EEVDF scheduler (6.6+) lets a waking task preempt the running one at once when the
+waking task asks for a shorter slice than the running one and has the earlier virtual deadline
+(its vruntime plus its slice). Every task asks for the default slice (base_slice_ns, about
+0.7 ms × (1 + log2 CPUs), at most 8 counted), so a workload thread that wakes behind one of the
+agent's batches can wait that long: at ½ saturation of a 5 ms server that wait was the agent's
+share of the p99. With a longer slice of its own (sched_attr.sched_runtime, Linux 6.12+) the
+agent's deadlines are later, and a default thread that wakes preempts it. The price is on a CPU
+where the agent and a workload thread both stay runnable: once picked, the agent may run for its
+whole slice before the other gets the CPU back (the same share in longer turns), so the slice
+asked for is only a little longer than the default: twice it, by default (bench.agent_ab: 5 ms,
+3.6× the default here, stalled a busy server sharing the agent's CPU by tens of ms where twice
+did not). Its weight, so its share of a saturated CPU and the overload budget, is unchanged.
+Threads started later, and the compile's children, inherit it.
 
 Before 6.12 the kernel accepts the request and ignores it (`Slice.honoured` is false). Asking for
-a slice needs no capability; the policy and nice value are read first and kept.
+a slice needs no capability; each thread's policy and nice value are read first and kept.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import os
 import platform
 from dataclasses import dataclass
 
-DEFAULT_SLICE_MS = 5.0
+AUTO_FACTOR = 2.0  # --cpu-slice-ms unset: this times the kernel's default slice
 # The kernel accepts a requested slice from 0.1 to 100 ms (kernel/sched/syscalls.c).
 MIN_SLICE_MS, MAX_SLICE_MS = 0.1, 100.0
 
@@ -55,20 +60,25 @@ class Slice:
     threads: int  # threads asked
     granted_ns: int  # the slice the kernel reports for this thread afterwards (0: not reported)
     error: str = ""  # why it was not asked ("" when it was, or when not asked for)
+    default_ns: int = 0  # the kernel's default slice, as it reported it before (0: not reported)
 
     @property
     def honoured(self) -> bool:
         return self.requested_ms > 0 and self.granted_ns == round(self.requested_ms * 1e6)
 
     def describe(self) -> str:
+        if self.error:
+            return f"no slice was asked for: {self.error}"
         if self.requested_ms <= 0:
             return "the kernel's default slice (--cpu-slice-ms 0)"
-        if self.error:
-            return f"a {self.requested_ms:g} ms slice was not asked for: {self.error}"
         if self.honoured:
+            default = (
+                f" (the kernel's default: {self.default_ns / 1e6:g} ms)" if self.default_ns else ""
+            )
+            runs = "thread runs" if self.threads == 1 else "threads run"
             return (
-                f"{self.threads} threads run with a {self.requested_ms:g} ms slice: a workload "
-                "thread that wakes on their CPU preempts them"
+                f"{self.threads} {runs} with a {self.requested_ms:g} ms slice{default}: a "
+                "workload thread that wakes on their CPU preempts them"
             )
         return (
             f"a {self.requested_ms:g} ms slice was asked for and this kernel ignores it "
@@ -109,13 +119,22 @@ def set_slice(tid: int, ms: float) -> None:
         raise OSError(err, f"sched_setattr({tid}): {os.strerror(err)}")
 
 
-def request_slice(ms: float) -> Slice:
-    """Every thread of this process asks for a slice of `ms` (0: nothing is asked). Never
-    raises: the agent runs as well without it, and the result says why not."""
-    if ms <= 0:
+def request_slice(ms: float | None) -> Slice:
+    """Every thread of this process asks for a slice of `ms` (None: AUTO_FACTOR times the
+    kernel's default; 0: nothing is asked). Never raises: the agent runs as well without it,
+    and the result says why not."""
+    if ms is not None and ms <= 0:
         return Slice(0.0, 0, 0)
-    asked = 0
+    asked, default_ns = 0, 0
     try:
+        default_ns = get_attr(0).sched_runtime  # before 6.12: 0
+        if ms is None:
+            if not default_ns:
+                why = (
+                    "this kernel reports no default slice to go by (requested slices: Linux 6.12+)"
+                )
+                return Slice(0.0, 0, 0, why)
+            ms = round(AUTO_FACTOR * default_ns / 1e6, 3)
         for name in os.listdir("/proc/self/task"):
             try:
                 set_slice(int(name), ms)
@@ -124,5 +143,5 @@ def request_slice(ms: float) -> Slice:
             asked += 1
         granted = get_attr(0).sched_runtime
     except OSError as exc:
-        return Slice(ms, asked, 0, str(exc))
-    return Slice(ms, asked, granted)
+        return Slice(ms or 0.0, asked, 0, str(exc), default_ns)
+    return Slice(ms, asked, granted, "", default_ns)
