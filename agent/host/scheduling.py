@@ -75,9 +75,8 @@ class Slice:
             default = (
                 f" (the kernel's default: {self.default_ns / 1e6:g} ms)" if self.default_ns else ""
             )
-            runs = "thread runs" if self.threads == 1 else "threads run"
             return (
-                f"{self.threads} {runs} with a {self.requested_ms:g} ms slice{default}: a "
+                f"the agent's threads run with a {self.requested_ms:g} ms slice{default}: a "
                 "workload thread that wakes on their CPU preempts them"
             )
         return (
