@@ -319,6 +319,7 @@ class AgentRun:
     startup_s: float = 0.0  # process start -> "ready" log line
     load_s: float = 0.0  # the agent's own figure: compile (or cache read) + load + attach
     bpf_source: str = ""  # "compiled" (in a child, this start) or "cache"
+    scheduler: str = ""  # the agent's "scheduler: ..." log line: the CPU slice its threads ask for
     compile_s: float = 0.0  # the child's compile, when it ran
     compile_peak_mb: float = 0.0  # the compiling children's peak RSS, summed, when they ran
     # process start -> HTTP/2 on (verified after ready: its own log line; start() waits for it,
@@ -369,6 +370,8 @@ class AgentRun:
                     self.compile_s, self.compile_peak_mb = float(c.group(1)), float(c.group(2))
                 elif "compiled programs from the cache" in line:
                     self.bpf_source = "cache"
+                elif (sched := re.search(r"scheduler: (.*)", line)) and not self.scheduler:
+                    self.scheduler = sched.group(1)
                 m = re.search(r"ready: probes loaded in ([\d.]+)s", line)
                 if m and not ready.is_set():
                     self.startup_s = time.monotonic() - t0

@@ -289,6 +289,7 @@ class Bench:
                 "compile_s": round(agent.compile_s, 3),
                 "compile_peak_mb": agent.compile_peak_mb,
                 "http2_s": round(agent.http2_s, 3),
+                "scheduler": agent.scheduler,
                 "stop_s": round(agent.stop_s, 3),
                 "peak_rss_mb": round(agent.peak_rss_kb / 1024, 1),
                 "rss_at_stop_mb": {k: round(v / 1024, 1) for k, v in agent.rss_kb.items()},
@@ -812,6 +813,8 @@ def format_report(res: dict[str, Any]) -> str:
             )
             + " (separate processes, gone before ready); the other starts loaded the cache"
         )
+    if sched := {a["scheduler"] for a in ag["runs"] if a.get("scheduler")}:
+        L.append("   scheduler: " + " / ".join(sorted(sched)))  # absent before --cpu-slice-ms
     L.append(
         f"   peak RSS: {max(a['peak_rss_mb'] for a in ag['runs']):.0f} MB (VmHWM); at stop "
         f"{last.get('VmRSS', 0):.0f} MB = anon {last.get('RssAnon', 0):.0f} + file "
