@@ -6,6 +6,7 @@ sys.path because it has no __init__.py): `from conftest import free_port`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,6 +62,21 @@ def privileged_missing() -> str | None:
             "`make setup` (links Debian's linux-headers-amd64, enough for tracepoint-only probes)"
         )
     return "; ".join(problems) or None
+
+
+@pytest.fixture(autouse=True)
+def _workloads_keep_the_default_slice() -> Iterator[None]:
+    """An agent started in this process (the session's, or a test's) asks for a longer CPU slice
+    for every thread of it (--cpu-slice-ms), and the servers and clients tests start afterwards
+    would inherit it. On a node the workloads keep the kernel's default: so do they, from the
+    next test on."""
+    yield
+    from tracejoin.host.scheduling import set_slice
+
+    for tid in os.listdir("/proc/self/task"):
+        # OSError: a thread that ended, or a kernel without sched_setattr
+        with contextlib.suppress(OSError):
+            set_slice(int(tid), 0)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,14 @@ from tracejoin.host.scheduling import AUTO_FACTOR, Slice
 
 HONOURED = tuple(int(x) for x in os.uname().release.split(".")[:2]) >= (6, 12)
 needs_slices = pytest.mark.skipif(not HONOURED, reason="requested slices are Linux 6.12+")
+
+
+def kernel_default() -> int:
+    """The kernel's default slice, from a process that never asked for one: pid 1's."""
+    try:
+        return slices(1)[1] if os.path.exists("/proc/1/task/1") else 0
+    except (PermissionError, KeyError):
+        return 0
 
 
 def slices(pid: int) -> dict[int, int]:
@@ -36,11 +43,15 @@ def slices(pid: int) -> dict[int, int]:
 
 
 # A thread that is SCHED_BATCH at nice 3 before the request, one started after it; each
-# reports its slice, nice value and policy as the kernel has them.
+# reports its slice, nice value and policy as the kernel has them. argv: the slice to ask for
+# (ms or "auto"), and a slice the process has before (ms, 0: none), as one it inherited would be.
 _CHILD = """
 import json, os, sys, threading
 from pathlib import Path
-from tracejoin.host.scheduling import request_slice
+from tracejoin.host.scheduling import request_slice, set_slice
+
+if float(sys.argv[2]):
+    set_slice(threading.get_native_id(), float(sys.argv[2]))
 
 def facts():
     tid = threading.get_native_id()
@@ -66,9 +77,12 @@ print(json.dumps({"default": default, "threads": result.threads, "honoured": res
 """
 
 
-def _child(ms: float | str) -> dict:
+def _child(ms: float | str, inherited_ms: float = 0) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(ms)], capture_output=True, text=True, timeout=30
+        [sys.executable, "-c", _CHILD, str(ms), str(inherited_ms)],
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert out.returncode == 0, out.stderr
     return dict(json.loads(out.stdout))
@@ -85,12 +99,33 @@ def test_every_thread_asks_for_the_slice_and_keeps_its_policy_and_nice() -> None
 
 
 @needs_slices
-def test_by_default_twice_the_kernels_default() -> None:
-    got = _child("auto")
-    want = round(AUTO_FACTOR * got["default"])
-    assert got["default"] > 0 and got["honoured"]
+@pytest.mark.parametrize("inherited_ms", [0, 50])
+def test_by_default_twice_the_kernels_default(inherited_ms: float) -> None:
+    """Twice the kernel's default, whatever slice the process started with: an inherited one
+    (a test runner's, a shell's) is not doubled again."""
+    want = round(AUTO_FACTOR * kernel_default())
+    got = _child("auto", inherited_ms)
+    assert want and got["honoured"]
     assert got["main"]["slice"] == got["before"]["slice"] == got["after"]["slice"] == want
     assert got["before"]["nice"] == 3
+
+
+@needs_slices
+def test_the_doctors_probe_leaves_its_process_as_it_was() -> None:
+    script = (
+        "import threading, json; from pathlib import Path\n"
+        "from tracejoin.host.scheduling import probe_slice\n"
+        "def mine():\n"
+        "    t = Path(f'/proc/self/task/{threading.get_native_id()}/sched').read_text()\n"
+        "    return [int(l.split(':')[1]) for l in t.splitlines() if l.startswith('se.slice')][0]\n"
+        "before = mine(); got = probe_slice(); after = mine()\n"
+        "print(json.dumps([before, after, got.requested_ms, got.granted_ns, got.honoured]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    before, after, requested_ms, granted_ns, honoured = json.loads(out.stdout)
+    assert before == after
+    assert honoured and granted_ns == round(AUTO_FACTOR * kernel_default()) == requested_ms * 1e6
 
 
 def test_zero_asks_for_nothing() -> None:
@@ -107,7 +142,7 @@ def test_the_doctor_says_when_the_kernel_ignores_the_request() -> None:
     assert refused.status.value == "fallback" and "not permitted" in refused.detail
     old_kernel = check_cpu_slice(lambda ms: Slice(0.0, 0, 0, "no default slice to go by"))
     assert old_kernel.status.value == "fallback" and "no default slice" in old_kernel.detail
-    granted = check_cpu_slice(lambda ms: Slice(2.8, 3, 2_800_000, "", 1_400_000))
+    granted = check_cpu_slice(lambda ms: Slice(2.8, 1, 2_800_000, "", 1_400_000))
     assert granted.status.value == "available" and "2.8 ms slice" in granted.detail
 
 
@@ -117,7 +152,7 @@ def test_the_doctor_says_when_the_kernel_ignores_the_request() -> None:
 def test_tracejoin_run_threads_run_with_the_slice(tmp_path: Path) -> None:
     """Every thread of a ready `tracejoin run` (the reader, the exporters, the metrics server)
     has the default --cpu-slice-ms, twice the kernel's default slice, and /metrics says so."""
-    want = round(AUTO_FACTOR * slices(os.getpid())[threading.get_native_id()])
+    want = round(AUTO_FACTOR * kernel_default())
     port, metrics_port = free_ports(2)
     with server("go", port) as srv:
         args = ["--port", str(port), "--pid", str(srv.pid), "--no-gpu"]

@@ -30,7 +30,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from tracejoin.host.scheduling import Slice, request_slice
+from tracejoin.host.scheduling import Slice, probe_slice
 from tracejoin.kernel import probes
 from tracejoin.kernel.compiled import DEFAULT_CACHE_DIR
 from tracejoin.kernel.features import FeatureResult, probe_features
@@ -151,7 +151,7 @@ class DoctorOptions:
     perf_open: PerfOpen | None = None  # default: the real perf_event_open(2)
     bpf_trial: Callable[[], ProbeResult] | None = None  # default: bpf_trial_load
     nvml_probe: Callable[[], ProbeResult] | None = None  # default: nvml_status
-    cpu_slice: Callable[[float | None], Slice] | None = None  # default: request_slice
+    cpu_slice: Callable[[float | None], Slice] | None = None  # default: probe_slice
     bpf_features: Callable[[], list[FeatureResult]] | None = None  # default: probe_features
     bpf_cache: Path = DEFAULT_CACHE_DIR  # --bpf-cache
 
@@ -326,7 +326,7 @@ def run_checks(options: DoctorOptions | None = None) -> Report:
         check_traceparent_reader(),
         check_span_encoder(),
         check_request_framing(),
-        check_cpu_slice(opts.cpu_slice or request_slice),
+        check_cpu_slice(opts.cpu_slice or probe_slice),
     ]
     checks.append(_from_probe("bpf trial load", "BPF", True, opts.bpf_trial or bpf_trial_load))
     checks.append(_from_probe("nvml", "GPU", False, opts.nvml_probe or nvml_status))
@@ -458,10 +458,15 @@ def check_traceparent_reader() -> Check:
 def check_cpu_slice(request: Callable[[float | None], Slice]) -> Check:
     """Whether this kernel gives the agent's threads the longer slice they ask for by default
     (--cpu-slice-ms), so that a workload thread that wakes on their CPU preempts them: asked
-    here, for the doctor's own threads."""
+    on a thread of the doctor's own, for itself."""
     got = request(None)
     if got.honoured:
-        return Check("cpu slice", "Kernel", Status.AVAILABLE, got.describe())
+        detail = (
+            f"a {got.requested_ms:g} ms slice, twice the kernel's default "
+            f"({got.default_ns / 1e6:g} ms), is honoured: a workload thread that wakes on the "
+            "agent's CPU runs at once"
+        )
+        return Check("cpu slice", "Kernel", Status.AVAILABLE, detail)
     return Check(
         "cpu slice",
         "Kernel",

@@ -25,7 +25,12 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 AUTO_FACTOR = 2.0  # --cpu-slice-ms unset: this times the kernel's default slice
 # The kernel accepts a requested slice from 0.1 to 100 ms (kernel/sched/syscalls.c).
@@ -118,6 +123,40 @@ def set_slice(tid: int, ms: float) -> None:
         raise OSError(err, f"sched_setattr({tid}): {os.strerror(err)}")
 
 
+def _on_a_new_thread(fn: Callable[[int], T]) -> T:
+    """fn(tid) on a thread started for it: what it changes of its own scheduling ends with it,
+    and it starts from what this thread has."""
+    out: list[T] = []
+    err: list[OSError] = []
+
+    def run() -> None:
+        try:
+            out.append(fn(threading.get_native_id()))
+        except OSError as exc:
+            err.append(exc)
+
+    t = threading.Thread(target=run, name="tracejoin-slice-probe")
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
+    return out[0]
+
+
+def _default_ns(tid: int) -> int:
+    """The kernel's default slice: thread `tid` asks for none (which gives it the default back,
+    whatever it inherited), and reads what it got. 0 before 6.12."""
+    set_slice(tid, 0)
+    return int(get_attr(tid).sched_runtime)
+
+
+def _wanted_ms(ms: float | None, default_ns: int) -> float:
+    return ms if ms is not None else round(AUTO_FACTOR * default_ns / 1e6, 3)
+
+
+_NO_DEFAULT = "this kernel reports no default slice to go by (requested slices: Linux 6.12+)"
+
+
 def request_slice(ms: float | None) -> Slice:
     """Every thread of this process asks for a slice of `ms` (None: AUTO_FACTOR times the
     kernel's default; 0: nothing is asked). Never raises: the agent runs as well without it,
@@ -126,14 +165,10 @@ def request_slice(ms: float | None) -> Slice:
         return Slice(0.0, 0, 0)
     asked, default_ns = 0, 0
     try:
-        default_ns = get_attr(0).sched_runtime  # before 6.12: 0
-        if ms is None:
-            if not default_ns:
-                why = (
-                    "this kernel reports no default slice to go by (requested slices: Linux 6.12+)"
-                )
-                return Slice(0.0, 0, 0, why)
-            ms = round(AUTO_FACTOR * default_ns / 1e6, 3)
+        default_ns = _on_a_new_thread(_default_ns)
+        if ms is None and not default_ns:
+            return Slice(0.0, 0, 0, _NO_DEFAULT)
+        ms = _wanted_ms(ms, default_ns)
         for name in os.listdir("/proc/self/task"):
             try:
                 set_slice(int(name), ms)
@@ -144,3 +179,21 @@ def request_slice(ms: float | None) -> Slice:
     except OSError as exc:
         return Slice(ms or 0.0, asked, 0, str(exc), default_ns)
     return Slice(ms, asked, granted, "", default_ns)
+
+
+def probe_slice(ms: float | None = None) -> Slice:
+    """What request_slice(ms) would get, asked on a thread of its own (tracejoin doctor): this
+    process's threads keep their scheduling."""
+
+    def ask(tid: int) -> Slice:
+        default_ns = _default_ns(tid)
+        if ms is None and not default_ns:
+            return Slice(0.0, 0, 0, _NO_DEFAULT)
+        want = _wanted_ms(ms, default_ns)
+        set_slice(tid, want)
+        return Slice(want, 1, int(get_attr(tid).sched_runtime), "", default_ns)
+
+    try:
+        return _on_a_new_thread(ask)
+    except OSError as exc:
+        return Slice(ms or 0.0, 0, 0, str(exc))
