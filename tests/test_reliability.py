@@ -1095,7 +1095,7 @@ def test_a_reader_falling_behind_sheds_by_trace_id_before_the_ring_overflows(pri
     at most ~2.5k records/s) under 8k req/s open loop (tj-loadgen, trace ids spread like an
     SDK's). With the rule off the ring overflows and nothing is shed; with it on, the kernel
     sheds by trace id within a fraction of a second (no once-a-second reading runs in this
-    in-process agent) and the ring loses at most a fifth of that. Every request is accounted
+    in-process agent) and the ring loses at most a third of that. Every request is accounted
     for: submitted + shed == sent."""
     from bench.measure import rate
 
@@ -1136,5 +1136,7 @@ def test_a_reader_falling_behind_sheds_by_trace_id_before_the_ring_overflows(pri
     assert off["shed"] == 0 and off["ringbuf_full"] > 1000, "the reader must fall behind"
     assert on["shed"] > 0, "the fill rule lowers the kernel's ratio"
     # the rule's reaction time moves with the machine's load: with it on the ring lost 0-196
-    # here and 612 in one CI run, against 5.2-5.4k with it off (2026-12-03)
-    assert on["ringbuf_full"] <= off["ringbuf_full"] / 5, phases
+    # here and 612 in one CI run, against 5.2-5.4k with it off (2026-12-03); since the agent's
+    # threads ask for a longer CPU slice (--cpu-slice-ms), a reader that wakes behind a running
+    # workload thread waits for it: 0-576 here and 1,036 in one CI run (2026-12-05)
+    assert on["ringbuf_full"] <= off["ringbuf_full"] / 3, phases
