@@ -92,7 +92,7 @@ def _child(ms: float | str, inherited_ms: float = 0) -> dict:
 def test_every_thread_asks_for_the_slice_and_keeps_its_policy_and_nice() -> None:
     got = _child(7.5)
     assert got["default"] != 7_500_000  # the kernel's own default is something else
-    assert got["threads"] == 2 and got["honoured"]
+    assert got["threads"] >= 2 and got["honoured"]  # (the probe thread may not be reaped yet)
     assert got["main"] == {"slice": 7_500_000, "nice": 0, "policy": os.SCHED_OTHER}
     assert got["before"] == {"slice": 7_500_000, "nice": 3, "policy": os.SCHED_BATCH}
     assert got["after"]["slice"] == 7_500_000  # a thread started later inherits it

@@ -151,7 +151,10 @@ def _default_ns(tid: int) -> int:
 
 
 def _wanted_ms(ms: float | None, default_ns: int) -> float:
-    return ms if ms is not None else round(AUTO_FACTOR * default_ns / 1e6, 3)
+    """The slice to ask for, inside the range the kernel would clamp it to (so that what it
+    grants is what was asked)."""
+    want = ms if ms is not None else round(AUTO_FACTOR * default_ns / 1e6, 3)
+    return min(max(want, MIN_SLICE_MS), MAX_SLICE_MS)
 
 
 _NO_DEFAULT = "this kernel reports no default slice to go by (requested slices: Linux 6.12+)"
