@@ -32,7 +32,7 @@ from tracejoin.enrich.resources import (
     env_resource_attributes,
     parse_instrumented_services,
 )
-from tracejoin.host.scheduling import Slice, request_slice
+from tracejoin.host.scheduling import request_slice
 from tracejoin.kernel.probes import OPTIONAL_TRACEPOINTS, HttpProbes, ProbeConfig, ProbeStatus
 from tracejoin.pipeline.budget import BudgetController
 from tracejoin.pipeline.spans import SpanOptions
@@ -223,7 +223,6 @@ class Agent:
         self._stopped = False
         self._self = psutil.Process()
         self.budget = BudgetController(s.cpu_budget)
-        self.cpu_slice = Slice(0.0, 0, 0)
         self._sampling_lock = threading.Lock()  # the ratio's changes reach the kernel in order
 
     @property
@@ -233,10 +232,10 @@ class Agent:
     def start(self) -> None:
         s = self.settings
         # First, so that every thread and compile child started from here inherits it.
-        self.cpu_slice = request_slice(s.cpu_slice_ms)
-        log.info("scheduler: %s", self.cpu_slice.describe())
-        if self.cpu_slice.honoured:
-            self.metrics.set("cpu_slice_seconds", self.cpu_slice.granted_ns / 1e9)
+        cpu_slice = request_slice(s.cpu_slice_ms)
+        log.info("scheduler: %s", cpu_slice.describe())
+        if cpu_slice.honoured:
+            self.metrics.set("cpu_slice_seconds", cpu_slice.granted_ns / 1e9)
         for dest in self.destinations:
             dest.start()
         self.gpu, self.gpu_text = open_gpu(s, self.metrics, self._given_gpu)

@@ -90,37 +90,33 @@ class Slice:
         )
 
 
-def _calls() -> tuple[int, int] | None:
-    return _SYSCALLS.get(platform.machine())
+def _syscall(which: int, name: str, tid: int, attr: _SchedAttr, *more: int) -> None:
+    """sched_setattr (which 0) or sched_getattr (1) of thread `tid`; OSError naming it."""
+    calls = _SYSCALLS.get(platform.machine())
+    if calls is None:
+        raise OSError(f"{name}: no syscall number known for {platform.machine()}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(calls[which], tid, ctypes.byref(attr), *more) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{name}({tid}): {os.strerror(err)}")
 
 
 def get_attr(tid: int) -> _SchedAttr:
-    calls = _calls()
-    if calls is None:
-        raise OSError(f"sched_getattr: no syscall number known for {platform.machine()}")
     attr = _SchedAttr()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(calls[1], tid, ctypes.byref(attr), ctypes.sizeof(attr), 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"sched_getattr({tid}): {os.strerror(err)}")
+    _syscall(1, "sched_getattr", tid, attr, ctypes.sizeof(attr), 0)
     return attr
 
 
 def set_slice(tid: int, ms: float) -> None:
     """Thread `tid` asks for a slice of `ms`, keeping its policy, nice value and the rest. A
     realtime or deadline thread is left as it is (a slice is the fair class's)."""
-    calls = _calls()
-    assert calls is not None  # get_attr raised first
     attr = get_attr(tid)
     if attr.sched_policy not in (os.SCHED_OTHER, os.SCHED_BATCH):
         return
     attr.size = ctypes.sizeof(attr)
     attr.sched_flags = 0
     attr.sched_runtime = round(ms * 1e6)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(calls[0], tid, ctypes.byref(attr), 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"sched_setattr({tid}): {os.strerror(err)}")
+    _syscall(0, "sched_setattr", tid, attr, 0)
 
 
 def _on_a_new_thread(fn: Callable[[int], T]) -> T:
@@ -150,14 +146,25 @@ def _default_ns(tid: int) -> int:
     return int(get_attr(tid).sched_runtime)
 
 
-def _wanted_ms(ms: float | None, default_ns: int) -> float:
-    """The slice to ask for, inside the range the kernel would clamp it to (so that what it
-    grants is what was asked)."""
-    want = ms if ms is not None else round(AUTO_FACTOR * default_ns / 1e6, 3)
-    return min(max(want, MIN_SLICE_MS), MAX_SLICE_MS)
-
-
 _NO_DEFAULT = "this kernel reports no default slice to go by (requested slices: Linux 6.12+)"
+
+
+def _ask(tids: list[int], ms: float | None, default_ns: int, reader: int) -> Slice:
+    """Threads `tids` ask for `ms` (None: AUTO_FACTOR times `default_ns`, inside the range the
+    kernel would clamp it to, so that what it grants is what was asked); `reader` reports what
+    it got."""
+    if ms is None and not default_ns:
+        return Slice(0.0, 0, 0, _NO_DEFAULT)
+    want = ms if ms is not None else round(AUTO_FACTOR * default_ns / 1e6, 3)
+    want = min(max(want, MIN_SLICE_MS), MAX_SLICE_MS)
+    asked = 0
+    for tid in tids:
+        try:
+            set_slice(tid, want)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+        asked += 1
+    return Slice(want, asked, int(get_attr(reader).sched_runtime), "", default_ns)
 
 
 def request_slice(ms: float | None) -> Slice:
@@ -166,37 +173,18 @@ def request_slice(ms: float | None) -> Slice:
     and the result says why not."""
     if ms is not None and ms <= 0:
         return Slice(0.0, 0, 0)
-    asked, default_ns = 0, 0
+    default_ns = 0
     try:
         default_ns = _on_a_new_thread(_default_ns)
-        if ms is None and not default_ns:
-            return Slice(0.0, 0, 0, _NO_DEFAULT)
-        ms = _wanted_ms(ms, default_ns)
-        for name in os.listdir("/proc/self/task"):
-            try:
-                set_slice(int(name), ms)
-            except ProcessLookupError:  # a thread that ended meanwhile
-                continue
-            asked += 1
-        granted = get_attr(0).sched_runtime
+        return _ask([int(t) for t in os.listdir("/proc/self/task")], ms, default_ns, 0)
     except OSError as exc:
-        return Slice(ms or 0.0, asked, 0, str(exc), default_ns)
-    return Slice(ms, asked, granted, "", default_ns)
+        return Slice(ms or 0.0, 0, 0, str(exc), default_ns)
 
 
 def probe_slice(ms: float | None = None) -> Slice:
     """What request_slice(ms) would get, asked on a thread of its own (tracejoin doctor): this
     process's threads keep their scheduling."""
-
-    def ask(tid: int) -> Slice:
-        default_ns = _default_ns(tid)
-        if ms is None and not default_ns:
-            return Slice(0.0, 0, 0, _NO_DEFAULT)
-        want = _wanted_ms(ms, default_ns)
-        set_slice(tid, want)
-        return Slice(want, 1, int(get_attr(tid).sched_runtime), "", default_ns)
-
     try:
-        return _on_a_new_thread(ask)
+        return _on_a_new_thread(lambda tid: _ask([tid], ms, _default_ns(tid), tid))
     except OSError as exc:
         return Slice(ms or 0.0, 0, 0, str(exc))
