@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -468,21 +468,34 @@ def agent_beside_go_server() -> Iterator[tuple[int, AgentRun]]:
             agent.stop()
 
 
+@dataclass(frozen=True)
+class ProbeSource:
+    """What a compile of the probes is made from: a bpf/ source tree (this one's or another
+    checkout's) and the compiler flags (None: this tree's agent/kernel/probes.py CFLAGS)."""
+
+    src: Path
+    cflags: tuple[str, ...] | None = None
+
+
 @contextlib.contextmanager
-def probes_from(src: Path, ports: tuple[int, ...]) -> Iterator[None]:
-    """The probes compiled from the bpf/ sources in `src` (this tree's, or another checkout's),
-    loaded in this process with a port filter, their records read and dropped by a thread;
-    unloaded after. For the tools that compare trees in one run (--against)."""
+def probes_from(source: ProbeSource | Path, ports: tuple[int, ...]) -> Iterator[None]:
+    """The probes compiled from `source`, loaded in this process with a port filter, their
+    records read and dropped by a thread; unloaded after. For the tools that compare sources
+    or flags in one run (--against, --against-cflags)."""
     from tracejoin.core.metrics import Metrics
     from tracejoin.kernel import probes
 
-    original = probes.bpf_source_dir
-    probes.bpf_source_dir = lambda: src  # type: ignore[assignment]
+    if isinstance(source, Path):
+        source = ProbeSource(source)
+    original = probes.bpf_source_dir, probes.CFLAGS
+    probes.bpf_source_dir = lambda: source.src  # type: ignore[assignment]
+    if source.cflags is not None:
+        probes.CFLAGS = source.cflags
     try:
         p = probes.HttpProbes(probes.ProbeConfig(ports=ports), Metrics())
         p.start()
     finally:
-        probes.bpf_source_dir = original  # type: ignore[assignment]
+        probes.bpf_source_dir, probes.CFLAGS = original  # type: ignore[assignment]
     stop = threading.Event()
     reader = threading.Thread(target=lambda: [p.poll(50) for _ in iter(stop.is_set, True)])
     reader.start()
@@ -495,7 +508,8 @@ def probes_from(src: Path, ports: tuple[int, ...]) -> Iterator[None]:
 
 
 def add_against(ap: Any) -> None:
-    """--against DIR (repeatable) on an argparse parser: bpf/ trees to compare with this one."""
+    """--against DIR and --against-cflags FLAGS (each repeatable) on an argparse parser: bpf/
+    trees, and compiler flags for this tree's, to compare with this tree as it is."""
     ap.add_argument(
         "--against",
         type=Path,
@@ -503,13 +517,28 @@ def add_against(ap: Any) -> None:
         default=[],
         help="another bpf/ source directory to compare (repeatable)",
     )
+    ap.add_argument(
+        "--against-cflags",
+        action="append",
+        default=[],
+        metavar="FLAGS",
+        help="this tree's sources compiled with these flags instead of CFLAGS, as one "
+        "argument: --against-cflags=-Wno-macro-redefined (repeatable)",
+    )
 
 
-def source_trees(against: list[Path]) -> dict[str, Path]:
-    """{label: bpf/ directory}: this tree's first, then each --against."""
+def source_trees(against: list[Path], against_cflags: Sequence[str] = ()) -> dict[str, ProbeSource]:
+    """{label: what to compile}: this tree's first, then each --against, each --against-cflags."""
+    import shlex
+
     from tracejoin.kernel import probes
 
-    return {"this tree": probes.bpf_source_dir(), **{str(d): d for d in against}}
+    here = probes.bpf_source_dir()
+    return {
+        "this tree": ProbeSource(here),
+        **{str(d): ProbeSource(d) for d in against},
+        **{f"cflags {f!r}": ProbeSource(here, tuple(shlex.split(f))) for f in against_cflags},
+    }
 
 
 def _tmpfs() -> str | None:

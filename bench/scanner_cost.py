@@ -16,7 +16,6 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
 from bench import measure as m
 from tests.harness import free_ports, server
@@ -35,7 +34,9 @@ def _chunked(port: int, n: int) -> None:
     c.close()
 
 
-def measure(src: Path, ports: tuple[int, int], requests: int) -> dict[str, dict[str, float]]:
+def measure(
+    src: m.ProbeSource, ports: tuple[int, int], requests: int
+) -> dict[str, dict[str, float]]:
     """{workload: {program: ns per hit}} for the sources in `src`."""
     with m.probes_from(src, ports):
         return _per_hit(ports, requests)
@@ -71,7 +72,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     m.add_against(ap)
     args = ap.parse_args()
-    variants = m.source_trees(args.against)
+    variants = m.source_trees(args.against, args.against_cflags)
     stats = m.BpfStatsSwitch()
     results: dict[str, dict[str, dict[str, list[float]]]] = {k: {} for k in variants}
     go, py = free_ports(2)
@@ -80,7 +81,7 @@ def main() -> int:
         with server("go", go), server("threaded", py):
             for _ in range(args.rounds):
                 for label, src in variants.items():
-                    for work, row in measure(Path(src), (go, py), args.requests).items():
+                    for work, row in measure(src, (go, py), args.requests).items():
                         for prog, ns in row.items():
                             results[label].setdefault(work, {}).setdefault(prog, []).append(ns)
     finally:

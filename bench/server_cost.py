@@ -1,17 +1,18 @@
 """What the probes add to the traced server's own CPU per request, at a fixed rate.
 
     sudo .venv/bin/python -m bench.server_cost [--rate 20000] [--seconds 3] [--rounds 5]
-                                               [--against DIR ...]
+                                               [--against DIR ...] [--against-cflags FLAGS ...]
 
 The Go test server alone on CPU1, the open-loop load generator (a unique sampled traceparent
 per request) and this process on CPU0. Each round measures the server's CPU time per request
 (its process CPU clock: every thread, to the nanosecond) with nothing attached, then with the
 probes loaded in this process (port filter on the server; records read and dropped here), for
-this tree and each --against DIR (another checkout's bpf/), interleaved. The BPF that runs in
-the server's syscalls, and in the softirqs that land on its CPU, is charged to it: this is the
-kernel side of the µs server's throughput at saturation (bench.run's probes-only row), at a
-rate where neither CPU is saturated, so the figure is the cost and not a queue. Prints the
-medians and each tree's added µs per request. Not part of `make bench`.
+this tree, each --against DIR (another checkout's bpf/) and each --against-cflags FLAGS (this
+tree's sources compiled with other flags), interleaved. The BPF that runs in the server's
+syscalls, and in the softirqs that land on its CPU, is charged to it: this is the kernel side
+of the µs server's throughput at saturation (bench.run's probes-only row), at a rate where
+neither CPU is saturated, so the figure is the cost and not a queue. Prints the medians and
+each variant's added µs per request. Not part of `make bench`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import os
 import statistics
 import threading
 import time
-from pathlib import Path
 
 from bench import measure as m
 from tests.harness import free_ports
@@ -55,7 +55,7 @@ def main() -> int:
     m.add_against(ap)
     args = ap.parse_args()
     os.sched_setaffinity(0, {LOAD_CPU})
-    variants = m.source_trees(args.against)
+    variants = m.source_trees(args.against, args.against_cflags)
     (port,) = free_ports(1)
     nothing: list[float] = []
     got: dict[str, list[float]] = {k: [] for k in variants}
@@ -68,7 +68,7 @@ def main() -> int:
         for _ in range(args.rounds):
             nothing.append(run())
             for label, src in variants.items():
-                with m.probes_from(Path(src), (port,)):
+                with m.probes_from(src, (port,)):
                     got[label].append(run())
     base = statistics.median(nothing)
     print(

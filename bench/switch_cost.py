@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import subprocess
-from pathlib import Path
 from typing import Any
 
 from bench import measure as m
@@ -36,7 +35,7 @@ def round_trip_ns(trips: int) -> float:
 
 
 def with_probes(
-    src: Path, port: int, trips: int, stats: m.BpfStatsSwitch
+    src: m.ProbeSource, port: int, trips: int, stats: m.BpfStatsSwitch
 ) -> tuple[float, dict[str, Any]]:
     """(ns per round trip, the BPF table per round trip) with the probes from `src` loaded: the
     time with bpf_stats off (its clock reads cost more than some programs), then the table
@@ -60,7 +59,7 @@ def main() -> int:
     m.add_against(ap)
     args = ap.parse_args()
     os.sched_setaffinity(0, {0})  # the agent's side, as in bench.run; the pair runs on CPU1
-    variants = m.source_trees(args.against)
+    variants = m.source_trees(args.against, args.against_cflags)
     (port,) = free_ports(1)
     nothing: list[float] = []
     got: dict[str, list[tuple[float, dict[str, Any]]]] = {k: [] for k in variants}
@@ -69,7 +68,7 @@ def main() -> int:
         for _ in range(args.rounds):
             nothing.append(round_trip_ns(args.trips))
             for label, src in variants.items():
-                got[label].append(with_probes(Path(src), port, args.trips, stats))
+                got[label].append(with_probes(src, port, args.trips, stats))
     finally:
         stats.restore()
     base = statistics.median(nothing)

@@ -256,7 +256,7 @@ struct policy {
 #define CNT_PIPELINE_SLOTS_FULL  2 /* requests not tracked: too many pipelined on one connection */
 #define CNT_NON_HTTP_CONNECTIONS 3 /* first reads on a connection that were not HTTP/1.x */
 #define CNT_REQUEST_STATE_LOST   4 /* request state evicted from the LRU before its response */
-#define CNT_READ_COPY_FAILED     5 /* bpf_probe_read_user failed on a buffer to scan */
+#define CNT_READ_COPY_FAILED     5 /* read_user (bpf_probe_read_user) failed on a buffer to scan */
 /* Connections whose framing the kernel stopped trusting, by reason (once per connection): no
  * request is opened on them any more; requests already open still take their responses. */
 #define CNT_UNTRUSTED_CONTENT_LENGTH       6  /* request Content-Length malformed, duplicate or folded */

@@ -94,7 +94,7 @@ static __always_inline int load_window(struct scratch *s)
             want = s->len - off;
         u32 sz = want < SCRATCH_SIZE ? want : SCRATCH_SIZE;
         if (sz > 0 && sz <= SCRATCH_SIZE &&
-            bpf_probe_read_user(s->buf, sz, (void *)(s->ptr + off)) == 0)
+            read_user(s->buf, sz, (void *)(s->ptr + off)) == 0)
             s->n = sz;
         else
             count(CNT_READ_COPY_FAILED);
@@ -109,7 +109,7 @@ static __always_inline int load_window(struct scratch *s)
         if (at >= s->total || n >= SCRATCH_SIZE || s->iov_idx >= s->len)
             break;
         struct iovec v = {};
-        if (bpf_probe_read_user(&v, sizeof(v), (void *)(s->ptr + s->iov_idx * sizeof(v)))) {
+        if (read_user(&v, sizeof(v), (void *)(s->ptr + s->iov_idx * sizeof(v)))) {
             count(CNT_READ_COPY_FAILED);
             break;
         }
@@ -130,7 +130,7 @@ static __always_inline int load_window(struct scratch *s)
         s->n = n;
         u32 pos = VLD(s->n) & (SCRATCH_SIZE - 1);
         if (sz == 0 || sz > SCRATCH_SIZE ||
-            bpf_probe_read_user(&s->buf[pos], sz, (void *)((u64)v.iov_base + in))) {
+            read_user(&s->buf[pos], sz, (void *)((u64)v.iov_base + in))) {
             count(CNT_READ_COPY_FAILED);
             break;
         }

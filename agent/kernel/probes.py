@@ -215,7 +215,11 @@ KERNEL_STRUCTS = {
     "sock_common": tuple(SOCK_COMMON_MEMBERS),
     "tcp_sock": tuple(TCP_SOCK_MEMBERS),
 }
-CFLAGS = ("-Wno-macro-redefined",)
+# -disable-llvm-passes: clang emits the module unoptimised and BCC's own -O3 pass pipeline
+# (BPFModule::run_pass_manager, always run before code generation) optimises it once; with
+# clang's -O2 pipeline as well, the module went through the optimiser twice, ~30 % of a compile
+# (bench.compile_units; docs/performance.md, "A first start's compile")
+CFLAGS = ("-Wno-macro-redefined", "-Xclang", "-disable-llvm-passes")
 # bpf_loop callbacks of bpf/http.c, named in C by LOOP_CB(fn) and linked by the loader
 LOOP_CALLBACKS = (
     "scan_req_steps",
