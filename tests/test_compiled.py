@@ -15,7 +15,13 @@ from tracejoin.core.metrics import Metrics
 from tracejoin.kernel import compiled
 from tracejoin.kernel.compiled import CompileError, Entry, FuncSpec, MapSpec
 from tracejoin.kernel.cuda import load_apis
-from tracejoin.kernel.probes import HttpProbes, ProbeConfig, bpf_source_dir, compiled_apart
+from tracejoin.kernel.probes import (
+    HttpProbes,
+    ProbeConfig,
+    bpf_source_dir,
+    compiled_apart,
+    compiled_later,
+)
 
 
 def _insn(code: int, src: int = 0, imm: int = 0) -> bytes:
@@ -214,6 +220,66 @@ def test_the_probes_compiled_as_two_units_are_the_probes_compiled_as_one(require
     (one,), _ = compiled._compile_in_children([text], cflags, "k", tmp_path)
     assert compiled.merge(split) == compiled.merge([one])
     assert peak > 100 * 2**20  # two compilers' peaks
+
+
+@pytest.mark.privileged
+def test_programs_compiled_later_join_the_rest_and_only_the_whole_entry_is_kept(
+    require_root, tmp_path
+):
+    """obtain(later=) returns once the rest are compiled: no HTTP/2 program in its entry, and
+    nothing in the cache yet. The deferred compiler started with the rest at the lowest
+    priority; its result is exactly what one compile of the text makes, the BPF made from the
+    rest takes its programs (load_func knows them only then), and the cache now holds the whole
+    entry, which the next start loads with nothing left to compile."""
+    text, cflags = HttpProbes(ProbeConfig(), Metrics()).render()
+    cache = tmp_path / "bpf"
+    got = compiled.obtain(text, cflags, cache, apart=compiled_apart, later=compiled_later)
+    assert got.source == "compiled" and got.later is not None
+    assert "scan_req" in got.entry.funcs and not any(map(compiled_later, got.entry.funcs))
+    assert not list(cache.glob("*.bpf.json"))
+    assert got.later.pid is not None
+    assert os.getpriority(os.PRIO_PROCESS, got.later.pid) == compiled.DEFERRED_NICE
+    bpf = compiled.cached_bpf(got.entry)
+    try:
+        with pytest.raises(Exception, match="Unknown program h2_scan_rd"):
+            bpf.load_func(b"h2_scan_rd", 0)
+        whole = got.later.result()
+        bpf.extend(whole)
+        assert bpf.load_func(b"h2_scan_rd", bpf.TRACEPOINT).fd >= 0
+        assert bpf.load_func(b"scan_req", bpf.TRACEPOINT).fd >= 0
+    finally:
+        bpf.cleanup()
+    (one,), _ = compiled._compile_in_children([text], cflags, "k", tmp_path)
+    assert whole.funcs == compiled.merge([one]).funcs and whole.maps == got.entry.maps
+    again = compiled.obtain(text, cflags, cache, apart=compiled_apart, later=compiled_later)
+    assert (again.source, again.later, again.entry) == ("cache", None, whole)
+
+
+@pytest.mark.privileged
+@pytest.mark.parametrize("room_for_two", [True, False])
+def test_a_deferred_compile_can_be_stopped_and_waits_its_turn_without_memory_for_two(
+    require_root, tmp_path, monkeypatch, room_for_two
+):
+    """Without the memory for two compilers at once, the deferred one starts only when its
+    result is asked for. cancel() (the agent stopping) kills and reaps it: result() then
+    says so and the cache keeps nothing."""
+    monkeypatch.setattr(compiled, "_memory_for_two", lambda: room_for_two)
+    text, cflags = HttpProbes(ProbeConfig(), Metrics()).render()
+    cache = tmp_path / "bpf"
+    got = compiled.obtain(text, cflags, cache, later=compiled_later)
+    assert got.later is not None
+    if room_for_two:
+        pid = got.later.pid
+        assert pid is not None
+        got.later.cancel()
+        assert not Path(f"/proc/{pid}").exists()  # killed and reaped
+        with pytest.raises(CompileError, match="stopped"):
+            got.later.result()
+        assert not list(cache.glob("*.bpf.json"))
+    else:
+        assert got.later.pid is None
+        assert any(map(compiled_later, got.later.result().funcs))
+        assert len(list(cache.glob("*.bpf.json"))) == 1
 
 
 def test_the_key_covers_the_text_and_the_flags():

@@ -847,6 +847,8 @@ def test_http2_programs_verified_after_ready(privileged: None, monkeypatch) -> N
         while status.signals["http2"] == "loading" and time.monotonic() < deadline:
             time.sleep(0.1)
         assert status.signals["http2"] == "on" and status.http2_load_seconds > 0
+        # no cache: this start compiled, HTTP/2's programs after ready too
+        assert status.compile_later and status.http2_compile_seconds > 0
         assert a.metrics.get("probe_mode", signal="http2") == 1
 
         # the early connection goes on after the load: still ignored

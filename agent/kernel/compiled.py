@@ -40,6 +40,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -413,9 +414,11 @@ def _compile_unit(text: str, cflags: list[str], key: str) -> Entry:
 
 def _child_main() -> int:
     """`python -m tracejoin.kernel.compiled OUT`: compile the text on stdin ({"text", "cflags",
-    "key"} as JSON) and write its unlinked entry to OUT. Exit 2 with the reason on stderr if
-    not."""
+    "key"} and optionally "nice", as JSON) and write its unlinked entry to OUT. Exit 2 with the
+    reason on stderr if not."""
     job = json.load(sys.stdin)
+    if job.get("nice"):  # a compile the agent does not wait for: only CPU no one else wants
+        os.nice(job["nice"])
     try:
         entry = _compile_unit(job["text"], job["cflags"], job["key"])
     except CompileError as exc:
@@ -435,15 +438,22 @@ class Obtained:
     path: Path | None  # where the entry is kept (None: not kept)
     compile_peak_bytes: int  # the children's peak resident memory, summed (0 from the cache)
     units: int  # compile units, one child each, run at once (0 from the cache)
+    later: Deferred | None = None  # the programs `later` named, still compiling (obtain)
 
 
 def obtain(
-    text: str, cflags: list[str], cache_dir: Path | None, apart: Callable[[str], bool] | None = None
+    text: str,
+    cflags: list[str],
+    cache_dir: Path | None,
+    apart: Callable[[str], bool] | None = None,
+    later: Callable[[str], bool] | None = None,
 ) -> Obtained:
     """The compiled form of `text`: the cache's entry for it, or one compiled now in child
     processes (and kept in cache_dir when there is one and it is safe to write). With `apart`,
     two CPUs to run on and the memory for two compilers, the programs it names compile in a
-    second child beside the first (unit_texts); the entry is the same either way."""
+    second child beside the first (unit_texts); the entry is the same either way. With `later`,
+    a compile returns without the programs it names as soon as the rest are compiled, and
+    `Obtained.later` finishes them (Deferred); the cache keeps only the whole entry."""
     key = cache_key(text, cflags)
     usable = cache_dir is not None and _private_dir(cache_dir)
     path = cache_dir / f"{key}.bpf.json" if usable and cache_dir is not None else None
@@ -452,6 +462,10 @@ def obtain(
         if entry is not None:
             _touch(path)  # recently used: kept when the cache is pruned
             return Obtained(entry, "cache", path, 0, 0)
+    if later is not None:
+        units = unit_texts(text, later)
+        if len(units) == 2:
+            return _obtain_deferring(units, cflags, key, path)
     units = unit_texts(text, apart) if apart is not None and _room_for_two() else [text]
     with tempfile.TemporaryDirectory(prefix="tracejoin-compile-") as tmp:
         compiled_units, peak = _compile_in_children(units, cflags, key, Path(tmp))
@@ -459,6 +473,83 @@ def obtain(
     if path is not None:
         _write_atomically(path, entry.to_bytes())
     return Obtained(entry, "compiled", path, peak, len(units))
+
+
+DEFERRED_NICE = 19  # the deferred compiler's nice value: it runs on CPU no one else wants
+
+
+def _obtain_deferring(units: list[str], cflags: list[str], key: str, path: Path | None) -> Obtained:
+    """Compile units[0] and return it; units[1] compiles in a child of its own at the lowest
+    priority, started at once where memory allows two compilers (on one CPU it then waits for
+    the first; on two it runs beside it), else when Deferred.result() asks for it."""
+    tmp = tempfile.TemporaryDirectory(prefix="tracejoin-compile-")
+    tmp_path = Path(tmp.name)
+
+    def start_later() -> _Child:
+        return _start_child(units[1], cflags, key, tmp_path, 1, nice=DEFERRED_NICE)
+
+    lower = None
+    try:
+        lower = start_later() if _memory_for_two() else None
+        rest, peak = _finish(_start_child(units[0], cflags, key, tmp_path, 0))
+    except BaseException:
+        if lower is not None:
+            lower.kill()
+        tmp.cleanup()
+        raise
+    deferred = Deferred(rest, lower, start_later, tmp, path)
+    return Obtained(merge([rest]), "compiled", path, peak, 2, deferred)
+
+
+class Deferred:
+    """The programs a compiling start left for after ready (obtain's `later`). result() waits
+    for their compiler (starting it if it did not start with the rest), links them with the
+    rest and keeps the whole entry in the cache, so the next start loads everything from it;
+    cancel() stops the compiler (an agent that stops first leaves none behind)."""
+
+    def __init__(
+        self,
+        rest: Entry,
+        child: _Child | None,
+        start: Callable[[], _Child],
+        tmp: tempfile.TemporaryDirectory[str],
+        path: Path | None,
+    ) -> None:
+        self._rest = rest
+        self._child = child
+        self._start = start
+        self._tmp = tmp
+        self._path = path
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self.peak_bytes = 0  # the deferred compiler's peak resident memory, once it is done
+
+    @property
+    def pid(self) -> int | None:
+        return self._child.proc.pid if self._child is not None else None
+
+    def result(self) -> Entry:
+        """The whole entry: the rest's programs and the deferred ones, linked (CompileError if
+        they did not compile, or if the agent stopped first)."""
+        try:
+            with self._lock:
+                if self._cancelled:
+                    raise CompileError("the agent stopped before the programs compiled")
+                if self._child is None:
+                    self._child = self._start()
+            later, self.peak_bytes = _finish(self._child)
+            entry = merge([self._rest, later])
+        finally:
+            self._tmp.cleanup()
+        if self._path is not None:
+            _write_atomically(self._path, entry.to_bytes())
+        return entry
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            if self._child is not None:
+                self._child.kill()
 
 
 # Two compilers at once peak ~290 MiB together (one: ~150 MiB; bench.compile_units): a memory
@@ -470,8 +561,11 @@ _NO_LIMIT = 1 << 62  # cgroup v1 reports "no limit" as a page-rounded LONG_MAX
 
 
 def _room_for_two() -> bool:
-    if len(os.sched_getaffinity(0)) < 2:
-        return False
+    """Two CPUs to run two compilers on, and the memory for both."""
+    return len(os.sched_getaffinity(0)) >= 2 and _memory_for_two()
+
+
+def _memory_for_two() -> bool:
     headroom = memory_headroom()
     if headroom is None or headroom >= TWO_COMPILERS_BYTES:
         return True
@@ -522,46 +616,86 @@ def memory_headroom(proc_cgroup: str | None = None, fs: Path = _CGROUP_FS) -> in
         group = group.parent
 
 
+@dataclass
+class _Child:
+    """A compiler child: its process, the file it writes its entry to, its stderr."""
+
+    proc: subprocess.Popen[bytes]
+    out: Path
+    err: Path
+
+    def kill(self) -> None:
+        """Stop it and reap it (a _finish waiting on it in another thread then says so)."""
+        if self.proc.returncode is None:
+            self.proc.kill()
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.proc.pid, 0)
+            self.proc.returncode = -9
+
+
+def _start_child(
+    unit: str, cflags: list[str], key: str, tmp: Path, n: int, nice: int = 0
+) -> _Child:
+    """A compiler child for one unit. stderr goes to a file, so a chatty compiler never waits
+    on a pipe this process is not yet reading."""
+    out, err = tmp / f"unit{n}.json", tmp / f"unit{n}.err"
+    with err.open("wb") as err_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tracejoin.kernel.compiled", str(out)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=err_file,
+        )
+    child = _Child(proc, out, err)
+    try:
+        assert proc.stdin is not None
+        with proc.stdin:  # the child reads all of it before it writes anything
+            job = {"text": unit, "cflags": cflags, "key": key, "nice": nice}
+            proc.stdin.write(json.dumps(job).encode())
+    except BaseException:
+        child.kill()
+        raise
+    return child
+
+
+def _finish(child: _Child) -> tuple[Entry, int]:
+    """Wait for a compiler child (reaped here, wait4, for its rusage): (its entry, its peak
+    resident memory); CompileError with the tail of its stderr if it failed."""
+    try:
+        _, status, usage = os.wait4(child.proc.pid, 0)
+    except ChildProcessError:  # kill() reaped it: Deferred.cancel() from another thread
+        raise CompileError("the compiler was stopped") from None
+    child.proc.returncode = os.waitstatus_to_exitcode(status)
+    if child.proc.returncode != 0:
+        lines = child.err.read_bytes().decode(errors="replace").strip().splitlines()
+        raise CompileError("\n".join(lines[-40:]) or f"compiler exited {child.proc.returncode}")
+    return Entry.from_bytes(child.out.read_bytes()), usage.ru_maxrss * 1024
+
+
 def _compile_in_children(
     units: list[str], cflags: list[str], key: str, tmp: Path
 ) -> tuple[list[Entry], int]:
     """Compile each unit in a child of its own, all at once, and return their entries and
-    the children's peak resident memory, summed (they run together). The agent reaps each
-    child itself (wait4) for its rusage; stderr goes to a file, so a chatty compiler never
-    waits on a pipe this process is not yet reading."""
-    children: list[tuple[subprocess.Popen[bytes], Path, Path]] = []
+    the children's peak resident memory, summed (they run together)."""
+    children: list[_Child] = []
     try:
         for n, unit in enumerate(units):
-            out, err = tmp / f"unit{n}.json", tmp / f"unit{n}.err"
-            with err.open("wb") as err_file:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "tracejoin.kernel.compiled", str(out)],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.DEVNULL,
-                    stderr=err_file,
-                )
-            children.append((proc, out, err))
-            assert proc.stdin is not None
-            with proc.stdin:  # the child reads all of it before it writes anything
-                job = {"text": unit, "cflags": cflags, "key": key}
-                proc.stdin.write(json.dumps(job).encode())
-    except BaseException:  # no second child (or no stdin for it): leave no compiler behind
-        for proc, _, _ in children:
-            proc.kill()
-            proc.wait()
+            children.append(_start_child(unit, cflags, key, tmp, n))
+    except BaseException:  # no second child: leave no compiler behind
+        for child in children:
+            child.kill()
         raise
     entries, peak, failed = [], 0, []
-    for proc, out, err in children:
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        peak += usage.ru_maxrss * 1024
-        if proc.returncode != 0:
-            lines = err.read_bytes().decode(errors="replace").strip().splitlines()
-            failed.append("\n".join(lines[-40:]) or f"compiler exited {proc.returncode}")
-        else:
-            entries.append(Entry.from_bytes(out.read_bytes()))
+    for child in children:
+        try:
+            entry, child_peak = _finish(child)
+        except CompileError as exc:
+            failed.append(exc)
+            continue
+        entries.append(entry)
+        peak += child_peak
     if failed:
-        raise CompileError(failed[0])
+        raise failed[0]
     return entries, peak
 
 
@@ -703,21 +837,38 @@ def cached_bpf(entry: Entry) -> Any:
             self.module = None
             self._entry = entry
             self._map_ids = {spec.name: i for i, spec in enumerate(entry.maps)}
-            self._btf_fd = -1
+            self._btf_fds: list[int] = []
             self._map_fds: list[int] = []
-            sizes = sorted({m.value_size for m in entry.maps if m.type in _STORAGE_MAP_TYPES})
-            self._btf = ModuleBtf(sizes, list(entry.funcs))
             try:
-                self._btf_fd = _load_btf(self._btf.blob)
+                maps_btf, maps_btf_fd = self._load_names(entry)
                 for spec in entry.maps:
                     btf = None
                     if spec.type in _STORAGE_MAP_TYPES:
-                        btf = (self._btf_fd, self._btf.int_id, self._btf.value_ids[spec.value_size])
+                        btf = (maps_btf_fd, maps_btf.int_id, maps_btf.value_ids[spec.value_size])
                     self._map_fds.append(_create_map(spec, btf))
             except Exception:
                 self._close_maps()
                 raise
             atexit.register(self.cleanup)
+
+        def _load_names(self, entry: Entry) -> tuple[ModuleBtf, int]:
+            """A BTF naming every program of `entry`, loaded; the next program loads use it
+            (prog_load reads the pair once, so a load beside extend() gets one or the other)."""
+            sizes = sorted({m.value_size for m in entry.maps if m.type in _STORAGE_MAP_TYPES})
+            btf = ModuleBtf(sizes, list(entry.funcs))
+            fd = _load_btf(btf.blob)
+            self._btf_fds.append(fd)
+            self._names = (btf, fd)
+            return self._names
+
+        def extend(self, entry: Entry) -> None:
+            """Take the whole entry a Deferred compile made: the maps already created here
+            (checked), and more programs, named in a BTF of their own (one loaded BTF cannot
+            grow). Their loads then go through load_func as any other's."""
+            if entry.maps != self._entry.maps:
+                raise CachedBPFError("the programs compiled later declare other maps")
+            self._load_names(entry)
+            self._entry = entry
 
         def autoload_programs(self) -> list[tuple[str, int]]:
             """The programs BCC's constructor would load and attach by their names
@@ -798,9 +949,9 @@ def cached_bpf(entry: Entry) -> Any:
             for fd in self._map_fds:
                 os.close(fd)
             self._map_fds = []
-            if self._btf_fd >= 0:
-                os.close(self._btf_fd)
-                self._btf_fd = -1
+            for fd in self._btf_fds:
+                os.close(fd)
+            self._btf_fds = []
 
     return CachedBPF(entry)
 
@@ -878,7 +1029,8 @@ def prog_load(
     insns = ctypes.create_string_buffer(spec.insns, len(spec.insns))
     for at, idx in spec.map_refs:
         struct.pack_into("<i", insns, at * _INSN + 4, bpf._map_fds[idx])
-    ids = bpf._btf.func_ids
+    names, btf_fd = bpf._names
+    ids = names.func_ids
     funcs = [(0, ids[name]), *((at, ids[cb]) for at, cb in spec.subprogs)]
     func_info = (ctypes.c_uint32 * (2 * len(funcs)))(*(v for f in funcs for v in f))
     license = ctypes.create_string_buffer(entry.license.encode())
@@ -901,7 +1053,7 @@ def prog_load(
         short.encode()[:15],
     )
     # prog_btf_fd, func_info_rec_size, func_info (bpf_func_info {insn_off, type_id}), count
-    struct.pack_into("<IIQI", attr, 72, bpf._btf_fd, 8, ctypes.addressof(func_info), len(funcs))
+    struct.pack_into("<IIQI", attr, 72, btf_fd, 8, ctypes.addressof(func_info), len(funcs))
     fd, err = bpf_syscall(_BPF_PROG_LOAD, attr)
     return fd, err, log
 

@@ -280,9 +280,9 @@ class ProbeConfig:
     cuda: bool = False  # uprobes on CUDA libraries (agent/kernel/cuda.py; needs the work set)
     cuda_launches: bool = False  # ... kernel launches too (on the critical path: opt-in)
     cuda_sync_threshold_ns: int = 1_000_000  # synchronisations kept as child spans
-    # Verify the HTTP/2 programs in a thread once start() returns (tracejoin run: ready and
-    # HTTP/1.x traced sooner, by ~0.1-0.25 s since their loops are bpf_loop callbacks,
-    # docs/performance.md); False: start() loads them too (capture, tests).
+    # Verify the HTTP/2 programs in a thread once start() returns, and at a start that
+    # compiles, compile them there too (tracejoin run: ready and HTTP/1.x traced sooner,
+    # docs/performance.md); False: start() compiles and loads them too (capture, tests).
     http2_after_ready: bool = False
     # Keep the compiled programs here, so a later start on this kernel loads them instead of
     # compiling (agent/kernel/compiled.py); None: compile in child processes at every start
@@ -299,6 +299,7 @@ class ProbeStatus:
     tlb_mode: str = "off"  # "hardware", "flush_fallback", "off"
     load_seconds: float = 0.0
     http2_load_seconds: float = 0.0  # verifying the HTTP/2 programs (after ready or in start())
+    http2_compile_seconds: float = 0.0  # compiling them after ready (compile_later)
     # Where the compiled programs came from (agent/kernel/compiled.py): "cache", or "compiled"
     # in child processes for this start; the entry's path ("" when not kept)
     bpf_source: str = ""
@@ -306,6 +307,7 @@ class ProbeStatus:
     compile_seconds: float = 0.0  # obtaining them: the children's compile, or reading the entry
     compile_peak_bytes: int = 0  # the compiling children's peak resident memory, summed
     compile_units: int = 0  # compiling children run at once (1, or 2 on two CPUs; 0: cache)
+    compile_later: bool = False  # HTTP/2's programs compile after ready (http2_after_ready)
     code_released_bytes: int = 0  # clang/LLVM's code pages unmapped (release_compiler_code)
 
     @property
@@ -315,6 +317,11 @@ class ProbeStatus:
         if self.bpf_source == "cache":
             return f"compiled programs from the cache ({self.bpf_cache_path})"
         mib = f"{self.compile_peak_bytes / 2**20:.0f} MiB"
+        if self.compile_later:
+            return (
+                f"compiled in a child process in {self.compile_seconds:.1f}s (peak {mib}), "
+                f"HTTP/2's programs in a second at low priority, after ready; {kept} then"
+            )
         if self.compile_units > 1:
             return (
                 f"compiled in {self.compile_units} child processes at once in "
@@ -353,6 +360,12 @@ COMPILED_APART = (
 )
 
 
+def compiled_later(name: str) -> bool:
+    """Whether a program compiles after ready at a start that compiles (http2_after_ready):
+    HTTP/2's, which also load after ready."""
+    return name.startswith("h2_")
+
+
 def compiled_apart(name: str) -> bool:
     """Whether a program compiles in the second compiler: HTTP/2's (bpf/http2_scan.h), nearly
     half of what the compiler does, and COMPILED_APART."""
@@ -385,6 +398,7 @@ class HttpProbes:
         self.ring_bytes = RING_BYTES  # the records ring's size (the overload budget)
         self.cuda: CudaProbes | None = None
         self._h2_loader: threading.Thread | None = None
+        self._compiling: compiled.Deferred | None = None  # HTTP/2's programs, after ready
         self._detaching = False  # detach() has begun and not returned (shutdown() checks it)
 
     # -- build ---------------------------------------------------------------------------
@@ -511,7 +525,11 @@ class HttpProbes:
             # compiled in two child processes at once, or taken from the cache
             # (agent/kernel/compiled.py)
             got = compiled.obtain(
-                src, list(cflags), self.config.bpf_cache_dir, apart=compiled_apart
+                src,
+                list(cflags),
+                self.config.bpf_cache_dir,
+                apart=compiled_apart,
+                later=compiled_later if self.config.http2_after_ready else None,
             )
         except compiled.CompileError as exc:
             raise ProbeError(
@@ -524,6 +542,8 @@ class HttpProbes:
         self.status.compile_seconds = time.monotonic() - t_obtain
         self.status.compile_peak_bytes = got.compile_peak_bytes
         self.status.compile_units = got.units
+        self.status.compile_later = got.later is not None
+        self._compiling = got.later
         try:
             bpf = compiled.cached_bpf(got.entry)
         except Exception as exc:
@@ -618,11 +638,21 @@ class HttpProbes:
     def _load_http2(self, bpf: Any) -> None:
         """Verify the HTTP/2 programs (bpf/http2_scan.h: the largest programs to verify) and
         put them in the tail-call table, the end program first since the scanners tail-call
-        it. Until they are in, a connection that turns HTTP/2 is ignored and counted (kernel
+        it; at a start that compiles them after ready, wait for that compile first. Until they
+        are in, a connection that turns HTTP/2 is ignored and counted (kernel
         h2_not_loaded); if they fail to load, HTTP/2 stays off and HTTP/1.x runs on."""
         from bcc import BPF
 
         t0 = time.monotonic()
+        if self._compiling is not None:
+            try:
+                bpf.extend(self._compiling.result())
+            except (compiled.CompileError, compiled.CachedBPFError) as exc:
+                self._http2_settled(f"off: its programs did not compile ({exc})", t0)
+                return
+            self.status.compile_peak_bytes += self._compiling.peak_bytes
+            self.status.http2_compile_seconds = time.monotonic() - t0
+            t0 = time.monotonic()
         programs = (("h2_end", PROG_H2_END), ("h2_scan_wr", PROG_H2_WR), ("h2_scan_rd", PROG_H2_RD))
         # after ready, one CPU stays free for the workload and the reader
         workers = max(1, _ncpus() - 1) if self._h2_loader is not None else _ncpus()
@@ -633,13 +663,19 @@ class HttpProbes:
             state = "on"
         except Exception as exc:
             state = f"off: its programs did not load ({exc})"
+        self._http2_settled(state, t0)
+
+    def _http2_settled(self, state: str, t0: float) -> None:
         self.status.http2_load_seconds = time.monotonic() - t0
         self.status.signals[HTTP2_SIGNAL] = state
         if self._h2_loader is None:
             return  # start() reports it with the other signals
         self._report_signal(HTTP2_SIGNAL, state)  # off: warned as any signal is
         if state == "on":
-            log.info("http2 on: its programs verified in %.1fs", self.status.http2_load_seconds)
+            compiled_for = self.status.http2_compile_seconds
+            how = f"compiled in {compiled_for:.1f}s, " if compiled_for else ""
+            seconds = self.status.http2_load_seconds
+            log.info("http2 on: its programs %sverified in %.1fs", how, seconds)
 
     def _fill_filters(self, bpf: object) -> None:
         cfg = self.config
@@ -801,6 +837,8 @@ class HttpProbes:
     def shutdown(self) -> None:
         bpf: Any = self._bpf
         self._bpf = None
+        if self._compiling is not None:
+            self._compiling.cancel()  # leave no compiler running behind the agent
         if self._ring is not None:
             self._ring.close()
             self._ring = None
