@@ -189,10 +189,40 @@ def test_two_compilers_only_where_the_memory_cgroup_has_room_for_them(tmp_path, 
     group("memory/api", {"memory.limit_in_bytes": str(1024 * mib), "memory.usage_in_bytes": "0"})
     assert compiled.memory_headroom(v1, tmp_path) == 1024 * mib
     assert compiled.memory_headroom("", tmp_path) is None
+    monkeypatch.setattr(compiled, "cpu_limit", lambda: None)
     monkeypatch.setattr(compiled, "memory_headroom", lambda: 212 * mib)
     assert not compiled._room_for_two()
     monkeypatch.setattr(compiled, "memory_headroom", lambda: None)
     assert compiled._room_for_two() == (len(os.sched_getaffinity(0)) >= 2)
+
+
+def test_two_compilers_only_where_the_cpu_limit_has_room_for_them(tmp_path, monkeypatch):
+    """A pod's CPU limit is a quota, not an affinity: the least quota / period over this cgroup
+    and those above it (v2's cpu.max, or v1's cpu controller, mounted as cpu,cpuacct); no
+    quota anywhere: None. Two compilers at once need it to round up to 2 or more."""
+
+    def group(path: str, files: dict[str, str]) -> None:
+        d = tmp_path / path
+        d.mkdir(parents=True, exist_ok=True)
+        for name, value in files.items():
+            (d / name).write_text(value + "\n")
+
+    group("kubepods/pod1/ctr", {"cpu.max": "max 100000"})
+    group("kubepods/pod1", {"cpu.max": "150000 100000"})
+    group("kubepods", {"cpu.max": "max 100000"})
+    assert compiled.cpu_limit("0::/kubepods/pod1/ctr\n", tmp_path) == 1.5
+    assert compiled.cpu_limit("0::/kubepods\n", tmp_path) is None  # no quota
+    group("cpu,cpuacct/api/x", {"cpu.cfs_quota_us": "-1", "cpu.cfs_period_us": "100000"})
+    v1 = "3:cpu,cpuacct:/api/x\n0::/\n"  # a hybrid host: v1's cpu controller decides
+    assert compiled.cpu_limit(v1, tmp_path) is None
+    group("cpu,cpuacct/api", {"cpu.cfs_quota_us": "50000", "cpu.cfs_period_us": "100000"})
+    assert compiled.cpu_limit(v1, tmp_path) == 0.5
+    assert compiled.cpu_limit("", tmp_path) is None
+    monkeypatch.setattr(compiled, "memory_headroom", lambda: None)
+    two_cpus = len(os.sched_getaffinity(0)) >= 2
+    for limit, room in ((1.0, False), (1.2, two_cpus), (None, two_cpus)):
+        monkeypatch.setattr(compiled, "cpu_limit", lambda limit=limit: limit)
+        assert compiled._room_for_two() == room
 
 
 @pytest.mark.privileged
@@ -227,18 +257,17 @@ def test_programs_compiled_later_join_the_rest_and_only_the_whole_entry_is_kept(
     require_root, tmp_path
 ):
     """obtain(later=) returns once the rest are compiled: no HTTP/2 program in its entry, and
-    nothing in the cache yet. The deferred compiler started with the rest at the lowest
-    priority; its result is exactly what one compile of the text makes, the BPF made from the
-    rest takes its programs (load_func knows them only then), and the cache now holds the whole
-    entry, which the next start loads with nothing left to compile."""
+    nothing in the cache yet. The deferred compiler started beside the rest (two CPUs here);
+    its result is exactly what one compile of the text makes, the BPF made from the rest takes
+    its programs (load_func knows them only then), and the cache now holds the whole entry,
+    which the next start loads with nothing left to compile."""
     text, cflags = HttpProbes(ProbeConfig(), Metrics()).render()
     cache = tmp_path / "bpf"
     got = compiled.obtain(text, cflags, cache, apart=compiled_apart, later=compiled_later)
     assert got.source == "compiled" and got.later is not None
     assert "scan_req" in got.entry.funcs and not any(map(compiled_later, got.entry.funcs))
     assert not list(cache.glob("*.bpf.json"))
-    assert got.later.pid is not None
-    assert os.getpriority(os.PRIO_PROCESS, got.later.pid) == compiled.DEFERRED_NICE
+    assert (got.later.pid is not None) == compiled._room_for_two()
     bpf = compiled.cached_bpf(got.entry)
     try:
         with pytest.raises(Exception, match="Unknown program h2_scan_rd"):
@@ -257,13 +286,13 @@ def test_programs_compiled_later_join_the_rest_and_only_the_whole_entry_is_kept(
 
 @pytest.mark.privileged
 @pytest.mark.parametrize("room_for_two", [True, False])
-def test_a_deferred_compile_can_be_stopped_and_waits_its_turn_without_memory_for_two(
+def test_a_deferred_compile_can_be_stopped_and_waits_its_turn_without_room_for_two(
     require_root, tmp_path, monkeypatch, room_for_two
 ):
-    """Without the memory for two compilers at once, the deferred one starts only when its
-    result is asked for. cancel() (the agent stopping) kills and reaps it: result() then
-    says so and the cache keeps nothing."""
-    monkeypatch.setattr(compiled, "_memory_for_two", lambda: room_for_two)
+    """Without a second CPU or the memory for two compilers at once, the deferred one starts
+    only when its result is asked for (after ready). cancel() (the agent stopping) kills and
+    reaps it: result() then says so and the cache keeps nothing."""
+    monkeypatch.setattr(compiled, "_room_for_two", lambda: room_for_two)
     text, cflags = HttpProbes(ProbeConfig(), Metrics()).render()
     cache = tmp_path / "bpf"
     got = compiled.obtain(text, cflags, cache, later=compiled_later)

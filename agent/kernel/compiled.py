@@ -33,6 +33,7 @@ import ctypes
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import stat
@@ -414,11 +415,9 @@ def _compile_unit(text: str, cflags: list[str], key: str) -> Entry:
 
 def _child_main() -> int:
     """`python -m tracejoin.kernel.compiled OUT`: compile the text on stdin ({"text", "cflags",
-    "key"} and optionally "nice", as JSON) and write its unlinked entry to OUT. Exit 2 with the
-    reason on stderr if not."""
+    "key"} as JSON) and write its unlinked entry to OUT. Exit 2 with the reason on stderr if
+    not."""
     job = json.load(sys.stdin)
-    if job.get("nice"):  # a compile the agent does not wait for: only CPU no one else wants
-        os.nice(job["nice"])
     try:
         entry = _compile_unit(job["text"], job["cflags"], job["key"])
     except CompileError as exc:
@@ -475,29 +474,27 @@ def obtain(
     return Obtained(entry, "compiled", path, peak, len(units))
 
 
-DEFERRED_NICE = 19  # the deferred compiler's nice value: it runs on CPU no one else wants
-
-
 def _obtain_deferring(units: list[str], cflags: list[str], key: str, path: Path | None) -> Obtained:
-    """Compile units[0] and return it; units[1] compiles in a child of its own at the lowest
-    priority, started at once where memory allows two compilers (on one CPU it then waits for
-    the first; on two it runs beside it), else when Deferred.result() asks for it."""
+    """Compile units[0] and return it; units[1] compiles in a child of its own, started at
+    once where there is a second CPU and the memory for a second compiler (it then runs beside
+    the first), else only when Deferred.result() asks for it (after ready: on one CPU it would
+    take its time from the first, and from the verifier after it)."""
     tmp = tempfile.TemporaryDirectory(prefix="tracejoin-compile-")
     tmp_path = Path(tmp.name)
 
     def start_later() -> _Child:
-        return _start_child(units[1], cflags, key, tmp_path, 1, nice=DEFERRED_NICE)
+        return _start_child(units[1], cflags, key, tmp_path, 1)
 
-    lower = None
+    beside = None
     try:
-        lower = start_later() if _memory_for_two() else None
+        beside = start_later() if _room_for_two() else None
         rest, peak = _finish(_start_child(units[0], cflags, key, tmp_path, 0))
     except BaseException:
-        if lower is not None:
-            lower.kill()
+        if beside is not None:
+            beside.kill()
         tmp.cleanup()
         raise
-    deferred = Deferred(rest, lower, start_later, tmp, path)
+    deferred = Deferred(rest, beside, start_later, tmp, path)
     return Obtained(merge([rest]), "compiled", path, peak, 2, deferred)
 
 
@@ -561,8 +558,13 @@ _NO_LIMIT = 1 << 62  # cgroup v1 reports "no limit" as a page-rounded LONG_MAX
 
 
 def _room_for_two() -> bool:
-    """Two CPUs to run two compilers on, and the memory for both."""
-    return len(os.sched_getaffinity(0)) >= 2 and _memory_for_two()
+    """Two CPUs to run two compilers on (the CPUs this process may run on, and its cgroup's
+    CPU limit rounded up), and the memory for both."""
+    cpus = len(os.sched_getaffinity(0))
+    limit = cpu_limit()
+    if limit is not None:
+        cpus = min(cpus, math.ceil(limit))
+    return cpus >= 2 and _memory_for_two()
 
 
 def _memory_for_two() -> bool:
@@ -582,6 +584,60 @@ def memory_headroom(proc_cgroup: str | None = None, fs: Path = _CGROUP_FS) -> in
     """Bytes this process's memory cgroup may still charge: the least, over its cgroup and
     those above it, of limit less usage (cgroup v1's memory controller where it is mounted,
     else v2's). None when no limit applies or none can be read."""
+    found = _cgroup_dirs("memory", proc_cgroup, fs)
+    if found is None:
+        return None
+    v1, groups = found
+    files = (
+        ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        if v1
+        else ("memory.max", "memory.current")
+    )
+    least = None
+    for group in groups:
+        try:
+            raw = (group / files[0]).read_text().strip()
+            limit = _NO_LIMIT if raw == "max" else int(raw)
+            usage = int((group / files[1]).read_text())
+        except (OSError, ValueError):  # not a cgroup with a limit (the root has none)
+            continue
+        if limit < _NO_LIMIT:
+            room = max(0, limit - usage)
+            least = room if least is None else min(least, room)
+    return least
+
+
+def cpu_limit(proc_cgroup: str | None = None, fs: Path = _CGROUP_FS) -> float | None:
+    """CPUs' worth of time this process's cgroup may use: the least, over its cgroup and those
+    above it, of quota / period (a pod's CPU limit; cgroup v1's cpu controller where it is
+    mounted, else v2's cpu.max). None when no quota applies or none can be read."""
+    found = _cgroup_dirs("cpu", proc_cgroup, fs)
+    if found is None:
+        return None
+    v1, groups = found
+    least = None
+    for group in groups:
+        try:
+            if v1:
+                quota = int((group / "cpu.cfs_quota_us").read_text())
+                period = int((group / "cpu.cfs_period_us").read_text())
+            else:
+                raw_quota, raw_period = (group / "cpu.max").read_text().split()
+                quota = -1 if raw_quota == "max" else int(raw_quota)
+                period = int(raw_period)
+        except (OSError, ValueError):  # not a cgroup with a quota (the root has none)
+            continue
+        if quota > 0 and period > 0:
+            cpus = quota / period
+            least = cpus if least is None else min(least, cpus)
+    return least
+
+
+def _cgroup_dirs(
+    controller: str, proc_cgroup: str | None, fs: Path
+) -> tuple[bool, list[Path]] | None:
+    """(v1?, this process's cgroup directory for `controller` and those above it, up to the
+    hierarchy's root): v1's hierarchy where the controller is mounted there, else v2's."""
     try:
         text = proc_cgroup if proc_cgroup is not None else Path("/proc/self/cgroup").read_text()
     except OSError:
@@ -589,30 +645,22 @@ def memory_headroom(proc_cgroup: str | None = None, fs: Path = _CGROUP_FS) -> in
     v1 = v2 = None
     for line in text.splitlines():
         hid, controllers, path = [*line.split(":", 2), "", ""][:3]
-        if "memory" in controllers.split(","):
-            v1 = path
+        if controller in controllers.split(","):
+            v1 = (fs / ",".join(controllers.split(",")), path)
         elif hid == "0" and controllers == "":
-            v2 = path
-    if v1 is not None:
-        base, files, path = fs / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes"), v1
-    elif v2 is not None:
-        base, files, path = fs, ("memory.max", "memory.current"), v2
-    else:
+            v2 = (fs, path)
+    chosen = v1 if v1 is not None else v2
+    if chosen is None:
         return None
-    least = None
+    base, path = chosen
+    if v1 is not None and not base.exists():  # mounted under the controller's own name only
+        base = fs / controller
+    groups = []
     group = base / path.lstrip("/")
     while True:
-        try:
-            raw = (group / files[0]).read_text().strip()
-            limit = _NO_LIMIT if raw == "max" else int(raw)
-            usage = int((group / files[1]).read_text())
-        except (OSError, ValueError):  # not a cgroup with a limit (the root has none)
-            limit, usage = _NO_LIMIT, 0
-        if limit < _NO_LIMIT:
-            room = max(0, limit - usage)
-            least = room if least is None else min(least, room)
+        groups.append(group)
         if group == base or base not in group.parents:
-            return least
+            return v1 is not None, groups
         group = group.parent
 
 
@@ -633,9 +681,7 @@ class _Child:
             self.proc.returncode = -9
 
 
-def _start_child(
-    unit: str, cflags: list[str], key: str, tmp: Path, n: int, nice: int = 0
-) -> _Child:
+def _start_child(unit: str, cflags: list[str], key: str, tmp: Path, n: int) -> _Child:
     """A compiler child for one unit. stderr goes to a file, so a chatty compiler never waits
     on a pipe this process is not yet reading."""
     out, err = tmp / f"unit{n}.json", tmp / f"unit{n}.err"
@@ -650,7 +696,7 @@ def _start_child(
     try:
         assert proc.stdin is not None
         with proc.stdin:  # the child reads all of it before it writes anything
-            job = {"text": unit, "cflags": cflags, "key": key, "nice": nice}
+            job = {"text": unit, "cflags": cflags, "key": key}
             proc.stdin.write(json.dumps(job).encode())
     except BaseException:
         child.kill()

@@ -320,7 +320,7 @@ class ProbeStatus:
         if self.compile_later:
             return (
                 f"compiled in a child process in {self.compile_seconds:.1f}s (peak {mib}), "
-                f"HTTP/2's programs in a second at low priority, after ready; {kept} then"
+                f"HTTP/2's programs in a second, for after ready; {kept} then"
             )
         if self.compile_units > 1:
             return (
