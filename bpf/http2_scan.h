@@ -378,6 +378,38 @@ static __always_inline void h2_value_start(struct h2dir *d, struct http_record *
 
 /* One byte of a decimal value, literal or Huffman-coded: digits are the 5-bit codes 0-2 and
  * the 6-bit codes 0x19-0x1f; anything else makes the value invalid (numbad). */
+/* One Huffman-coded digit from the top of the nb bits held in `bits` (RFC 7541 Appendix B: '0'
+ * to '2' are 5 bits, '3' to '9' 6), added to d->num; 0 when there is none to take yet, or the
+ * next code is not a digit. */
+static __always_inline int h2_huff_digit(struct h2dir *d, u32 bits, u32 *nb)
+{
+    if (*nb < 5 || *nb > 24)
+        return 0;
+    u32 top5 = (bits >> (*nb - 5)) & 0x1f;
+    u32 digit;
+    if (top5 < 3) {
+        digit = top5;
+        *nb -= 5;
+    } else if (top5 >= 0xc && top5 <= 0xf) {
+        if (*nb < 6)
+            return 0;
+        u32 top6 = (bits >> (*nb - 6)) & 0x3f;
+        if (top6 < 0x19) {
+            d->numbad |= 1;
+            return 0;
+        }
+        digit = top6 - 0x19 + 3;
+        *nb -= 6;
+    } else {
+        if (top5 != 0x1f)
+            d->numbad |= 1;         /* not a digit (all ones: the EOS padding, checked at the end) */
+        return 0;
+    }
+    if (d->num < 10000)
+        d->num = d->num * 10 + digit;
+    return 1;
+}
+
 static __always_inline void h2_num_byte(struct h2dir *d, u8 b)
 {
     if (!d->huff) {
@@ -389,33 +421,10 @@ static __always_inline void h2_num_byte(struct h2dir *d, u8 b)
     }
     u32 bits = (d->hbits << 8) | b;
     u32 nb = d->hnb + 8;
-#pragma unroll
-    for (int k = 0; k < 3; k++) {
-        if (nb < 5 || nb > 24)
-            break;
-        u32 top5 = (bits >> (nb - 5)) & 0x1f;
-        u32 digit;
-        if (top5 < 3) {
-            digit = top5;
-            nb -= 5;
-        } else if (top5 >= 0xc && top5 <= 0xf) {
-            if (nb < 6)
-                break;
-            u32 top6 = (bits >> (nb - 6)) & 0x3f;
-            if (top6 < 0x19) {
-                d->numbad |= 1;
-                break;
-            }
-            digit = top6 - 0x19 + 3;
-            nb -= 6;
-        } else {
-            if (top5 != 0x1f)
-                d->numbad |= 1;         /* not a digit (all ones: the EOS padding, checked at the end) */
-            break;
-        }
-        if (d->num < 10000)
-            d->num = d->num * 10 + digit;
-    }
+    /* every digit the held bits complete, at most 3: three calls, not a `#pragma unroll` loop,
+     * which BCC's optimiser (the only one since -disable-llvm-passes) cannot unroll */
+    if (h2_huff_digit(d, bits, &nb) && h2_huff_digit(d, bits, &nb))
+        h2_huff_digit(d, bits, &nb);
     if (nb > 24)
         nb = 24;
     d->hbits = bits & ((1U << nb) - 1);

@@ -236,11 +236,12 @@ def request_block(path: bytes, tp: bytes | None, inc_tp: bool = False, huff: boo
     return block
 
 
-def response(sid: int, grpc_status: int = 0) -> bytes:
+def response(sid: int, grpc_status: int = 0, huff: bool = False) -> bytes:
+    status = lit(b"grpc-status", b"%d" % grpc_status, huff=huff)
     return (
         frame(HEADERS, END_HEADERS, sid, indexed(8) + lit(b"content-type", b"application/grpc"))
         + frame(DATA, 0, sid, b"\0\0\0\0\x05" + BODY[:5])
-        + frame(HEADERS, END_HEADERS | END_STREAM, sid, lit(b"grpc-status", b"%d" % grpc_status))
+        + frame(HEADERS, END_HEADERS | END_STREAM, sid, status)
     )
 
 
@@ -557,7 +558,7 @@ def test_hand_built_frames(h2agent: Agent) -> None:
         c.client(
             frame(HEADERS, PADDED | PRIORITY, 5, first) + frame(CONT, END_HEADERS, 5, block[9:])
         )
-        c.server(response(5))
+        c.server(response(5, grpc_status=14, huff=True))  # "14": a 5-bit and a 6-bit code
         # stream 7: reset by the client before any response
         c.client(frame(HEADERS, END_HEADERS, 7, request_block(b"/a.B/Four", tps[7][0].encode())))
         c.client(frame(RST, 0, 7, b"\0\0\0\x08"))
@@ -575,6 +576,7 @@ def test_hand_built_frames(h2agent: Agent) -> None:
     assert (
         by_stream[5].trace_id == tps[5][1] and by_stream[5].attributes["url.path"] == "/a.B/Three"
     )
+    assert by_stream[5].attributes["rpc.grpc.status_code"] == 14
     assert by_stream[7].trace_id == tps[7][1]
     assert by_stream[7].attributes["tracejoin.http2.ended_by"] == "rst_stream"
     assert by_stream[9].trace_id == tps[9][1]
