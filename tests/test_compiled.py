@@ -7,6 +7,8 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from tracejoin.kernel.probes import (
     ProbeConfig,
     bpf_source_dir,
     compiled_apart,
+    compiled_apart_after_ready,
     compiled_later,
 )
 
@@ -256,18 +259,21 @@ def test_the_probes_compiled_as_two_units_are_the_probes_compiled_as_one(require
 def test_programs_compiled_later_join_the_rest_and_only_the_whole_entry_is_kept(
     require_root, tmp_path
 ):
-    """obtain(later=) returns once the rest are compiled: no HTTP/2 program in its entry, and
-    nothing in the cache yet. The deferred compiler started beside the rest (two CPUs here);
-    its result is exactly what one compile of the text makes, the BPF made from the rest takes
-    its programs (load_func knows them only then), and the cache now holds the whole entry,
-    which the next start loads with nothing left to compile."""
+    """obtain(later=) returns once the rest are compiled (two children where there is room
+    for two): no HTTP/2 program in its entry, and nothing in the cache yet. The deferred
+    programs compile when result() asks, into exactly what one compile of the text makes; the
+    BPF made from the rest takes them (load_func knows them only then), and the cache now holds
+    the whole entry, which the next start loads with nothing left to compile."""
     text, cflags = HttpProbes(ProbeConfig(), Metrics()).render()
     cache = tmp_path / "bpf"
-    got = compiled.obtain(text, cflags, cache, apart=compiled_apart, later=compiled_later)
+    got = compiled.obtain(
+        text, cflags, cache, apart=compiled_apart_after_ready, later=compiled_later
+    )
     assert got.source == "compiled" and got.later is not None
-    assert "scan_req" in got.entry.funcs and not any(map(compiled_later, got.entry.funcs))
+    assert got.units == (2 if compiled._room_for_two() else 1)
+    assert "scan_req" in got.entry.funcs and "scan_resp" in got.entry.funcs
+    assert not any(map(compiled_later, got.entry.funcs))
     assert not list(cache.glob("*.bpf.json"))
-    assert (got.later.pid is not None) == compiled._room_for_two()
     bpf = compiled.cached_bpf(got.entry)
     try:
         with pytest.raises(Exception, match="Unknown program h2_scan_rd"):
@@ -285,30 +291,43 @@ def test_programs_compiled_later_join_the_rest_and_only_the_whole_entry_is_kept(
 
 
 @pytest.mark.privileged
-@pytest.mark.parametrize("room_for_two", [True, False])
-def test_a_deferred_compile_can_be_stopped_and_waits_its_turn_without_room_for_two(
-    require_root, tmp_path, monkeypatch, room_for_two
+def test_a_deferred_compile_starts_when_asked_and_an_agent_that_stops_leaves_none(
+    require_root, tmp_path
 ):
-    """Without a second CPU or the memory for two compilers at once, the deferred one starts
-    only when its result is asked for (after ready). cancel() (the agent stopping) kills and
-    reaps it: result() then says so and the cache keeps nothing."""
-    monkeypatch.setattr(compiled, "_room_for_two", lambda: room_for_two)
+    """Nothing compiles the deferred programs until result() asks (after ready: not beside the
+    rest's compilers, nor beside the verifier after them). cancel() (the agent stopping) while
+    they compile kills and reaps the compiler, result() says so and the cache keeps nothing;
+    cancel() before then leaves nothing to start."""
     text, cflags = HttpProbes(ProbeConfig(), Metrics()).render()
     cache = tmp_path / "bpf"
     got = compiled.obtain(text, cflags, cache, later=compiled_later)
-    assert got.later is not None
-    if room_for_two:
-        pid = got.later.pid
-        assert pid is not None
-        got.later.cancel()
-        assert not Path(f"/proc/{pid}").exists()  # killed and reaped
-        with pytest.raises(CompileError, match="stopped"):
-            got.later.result()
-        assert not list(cache.glob("*.bpf.json"))
-    else:
-        assert got.later.pid is None
-        assert any(map(compiled_later, got.later.result().funcs))
-        assert len(list(cache.glob("*.bpf.json"))) == 1
+    deferred = got.later
+    assert deferred is not None and deferred._child is None
+    failed: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            deferred.result()
+        except CompileError as exc:
+            failed.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while deferred._child is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert deferred._child is not None
+    pid = deferred._child.proc.pid
+    deferred.cancel()
+    waiter.join(60)
+    assert not Path(f"/proc/{pid}").exists()  # killed and reaped
+    assert len(failed) == 1 and not list(cache.glob("*.bpf.json"))
+    again = compiled.obtain(text, cflags, cache, later=compiled_later)
+    assert again.later is not None
+    again.later.cancel()
+    with pytest.raises(CompileError, match="stopped before"):
+        again.later.result()
+    assert again.later._child is None
 
 
 def test_the_key_covers_the_text_and_the_flags():

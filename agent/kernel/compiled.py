@@ -451,8 +451,9 @@ def obtain(
     processes (and kept in cache_dir when there is one and it is safe to write). With `apart`,
     two CPUs to run on and the memory for two compilers, the programs it names compile in a
     second child beside the first (unit_texts); the entry is the same either way. With `later`,
-    a compile returns without the programs it names as soon as the rest are compiled, and
-    `Obtained.later` finishes them (Deferred); the cache keeps only the whole entry."""
+    a compile returns without the programs it names as soon as the rest are compiled (split by
+    `apart` as above), and `Obtained.later` compiles them when asked (Deferred); the cache keeps
+    only the whole entry."""
     key = cache_key(text, cflags)
     usable = cache_dir is not None and _private_dir(cache_dir)
     path = cache_dir / f"{key}.bpf.json" if usable and cache_dir is not None else None
@@ -461,83 +462,54 @@ def obtain(
         if entry is not None:
             _touch(path)  # recently used: kept when the cache is pruned
             return Obtained(entry, "cache", path, 0, 0)
+    deferred_text = None
     if later is not None:
-        units = unit_texts(text, later)
-        if len(units) == 2:
-            return _obtain_deferring(units, cflags, key, path)
+        split = unit_texts(text, later)
+        if len(split) == 2:
+            text, deferred_text = split
     units = unit_texts(text, apart) if apart is not None and _room_for_two() else [text]
     with tempfile.TemporaryDirectory(prefix="tracejoin-compile-") as tmp:
         compiled_units, peak = _compile_in_children(units, cflags, key, Path(tmp))
     entry = merge(compiled_units)
+    if deferred_text is not None:
+        deferred = Deferred(compiled_units, deferred_text, cflags, key, path)
+        return Obtained(entry, "compiled", path, peak, len(units), deferred)
     if path is not None:
         _write_atomically(path, entry.to_bytes())
     return Obtained(entry, "compiled", path, peak, len(units))
 
 
-def _obtain_deferring(units: list[str], cflags: list[str], key: str, path: Path | None) -> Obtained:
-    """Compile units[0] and return it; units[1] compiles in a child of its own, started at
-    once where there is a second CPU and the memory for a second compiler (it then runs beside
-    the first), else only when Deferred.result() asks for it (after ready: on one CPU it would
-    take its time from the first, and from the verifier after it)."""
-    tmp = tempfile.TemporaryDirectory(prefix="tracejoin-compile-")
-    tmp_path = Path(tmp.name)
-
-    def start_later() -> _Child:
-        return _start_child(units[1], cflags, key, tmp_path, 1)
-
-    beside = None
-    try:
-        beside = start_later() if _room_for_two() else None
-        rest, peak = _finish(_start_child(units[0], cflags, key, tmp_path, 0))
-    except BaseException:
-        if beside is not None:
-            beside.kill()
-        tmp.cleanup()
-        raise
-    deferred = Deferred(rest, beside, start_later, tmp, path)
-    return Obtained(merge([rest]), "compiled", path, peak, 2, deferred)
-
-
 class Deferred:
-    """The programs a compiling start left for after ready (obtain's `later`). result() waits
-    for their compiler (starting it if it did not start with the rest), links them with the
-    rest and keeps the whole entry in the cache, so the next start loads everything from it;
-    cancel() stops the compiler (an agent that stops first leaves none behind)."""
+    """The programs a compiling start left for after ready (obtain's `later`). result()
+    compiles them in a child of its own (the start has returned by then: on one CPU, that
+    compiler beside the first, or beside the verifier after it, would have taken its time from
+    them), links them with the rest and keeps the whole entry in the cache, so the next start
+    loads everything from it; cancel() stops that compiler (an agent that stops first leaves
+    none behind)."""
 
     def __init__(
-        self,
-        rest: Entry,
-        child: _Child | None,
-        start: Callable[[], _Child],
-        tmp: tempfile.TemporaryDirectory[str],
-        path: Path | None,
+        self, rest: list[Entry], text: str, cflags: list[str], key: str, path: Path | None
     ) -> None:
-        self._rest = rest
-        self._child = child
-        self._start = start
-        self._tmp = tmp
+        self._rest = rest  # the rest's compile units, unlinked
+        self._text = text
+        self._cflags = cflags
+        self._key = key
         self._path = path
+        self._child: _Child | None = None
         self._lock = threading.Lock()
         self._cancelled = False
         self.peak_bytes = 0  # the deferred compiler's peak resident memory, once it is done
 
-    @property
-    def pid(self) -> int | None:
-        return self._child.proc.pid if self._child is not None else None
-
     def result(self) -> Entry:
         """The whole entry: the rest's programs and the deferred ones, linked (CompileError if
         they did not compile, or if the agent stopped first)."""
-        try:
+        with tempfile.TemporaryDirectory(prefix="tracejoin-compile-") as tmp:
             with self._lock:
                 if self._cancelled:
                     raise CompileError("the agent stopped before the programs compiled")
-                if self._child is None:
-                    self._child = self._start()
+                self._child = _start_child(self._text, self._cflags, self._key, Path(tmp), 0)
             later, self.peak_bytes = _finish(self._child)
-            entry = merge([self._rest, later])
-        finally:
-            self._tmp.cleanup()
+        entry = merge([*self._rest, later])
         if self._path is not None:
             _write_atomically(self._path, entry.to_bytes())
         return entry
@@ -564,10 +536,8 @@ def _room_for_two() -> bool:
     limit = cpu_limit()
     if limit is not None:
         cpus = min(cpus, math.ceil(limit))
-    return cpus >= 2 and _memory_for_two()
-
-
-def _memory_for_two() -> bool:
+    if cpus < 2:
+        return False
     headroom = memory_headroom()
     if headroom is None or headroom >= TWO_COMPILERS_BYTES:
         return True
