@@ -1,5 +1,6 @@
 """What a compiling start's compile costs, in one compiler and in the agent's two at once
-(agent/kernel/compiled.py: unit_texts; agent/kernel/probes.py: compiled_apart, compiled_later).
+(agent/kernel/compiled.py: unit_texts; agent/kernel/probes.py: compiled_apart, compiled_later,
+compiled_apart_after_ready).
 
     sudo .venv/bin/python -m bench.compile_units [--runs 3] [--cuda] [--apart NAME ...]
                                                  [--against-cflags=FLAGS ...]
@@ -9,11 +10,12 @@ processes, `--runs` times each way: the whole text in one child; each of the two
 (CPU seconds, user+sys from the children's rusage: how evenly the split shares out the work,
 without the other compiler beside it); both units at once (wall seconds: what a start that
 waits for every program waits for, `--http2-before-ready`); and everything but HTTP/2's
-programs in one child (what `tracejoin run`'s first start waits for: HTTP/2's compile after
-ready). Prints medians and the ratio of the two-at-once wall time to the one child's, in the
-same run. `--apart NAME` moves another program into the second unit, to try another split;
-`--against-cflags=FLAGS` (repeatable) measures every way again with other compiler flags than
-CFLAGS, interleaved. Root: the compilers create the maps, as BCC does.
+programs (what `tracejoin run`'s first start waits for: HTTP/2's compile after ready), in one
+child and in two at once (COMPILED_APART_AFTER_READY). Prints medians and the ratio of the
+two-at-once wall time to the one child's, in the same run. `--apart NAME` moves another
+program into the second unit, to try another split; `--against-cflags=FLAGS` (repeatable)
+measures every way again with other compiler flags than CFLAGS, interleaved. Root: the
+compilers create the maps, as BCC does.
 """
 
 from __future__ import annotations
@@ -29,7 +31,13 @@ from pathlib import Path
 
 from tracejoin.core.metrics import Metrics
 from tracejoin.kernel import compiled
-from tracejoin.kernel.probes import HttpProbes, ProbeConfig, compiled_apart, compiled_later
+from tracejoin.kernel.probes import (
+    HttpProbes,
+    ProbeConfig,
+    compiled_apart,
+    compiled_apart_after_ready,
+    compiled_later,
+)
 
 
 def _children_cpu() -> float:
@@ -64,12 +72,14 @@ def main() -> None:
     apart: Callable[[str], bool] = lambda name: compiled_apart(name) or name in extra  # noqa: E731
     first, second = compiled.unit_texts(text, apart)
     http1, _ = compiled.unit_texts(text, compiled_later)
+    http1_units = compiled.unit_texts(http1, compiled_apart_after_ready)
     ways = {
         "the whole text, one child": [text],
         "unit 1 alone (the rest)": [first],
         "unit 2 alone (HTTP/2's and COMPILED_APART)": [second],
         "units 1 and 2 at once (a start that waits for HTTP/2)": [first, second],
-        "all but HTTP/2's, one child (tracejoin run's first start)": [http1],
+        "all but HTTP/2's, one child (tracejoin run's first start, one CPU)": [http1],
+        "all but HTTP/2's, two children at once (... two CPUs)": http1_units,
     }
     flag_sets = {"": cflags, **{f: shlex.split(f) for f in args.against_cflags}}
     got: dict[tuple[str, str], list[tuple[float, float, int]]] = {
