@@ -2,7 +2,7 @@
 that shares the agent's CPU, and the agent's CPU per request.
 
     sudo python -m bench.agent_ab [--variant sched_batch|sched_idle|nice=N|slice=MS
-                                   | --variant '--cpu-slice-ms 0']
+                                   | --variant cflags='FLAGS' | --variant '--cpu-slice-ms 0']
                                   [--path /] [--rate 40000] [--conns 16] [--rounds 4]
                                   [--seconds 5]
 
@@ -12,7 +12,8 @@ the server's CPU instead). Per round, in an
 order that rotates: no agent ("off"), the agent as deployed ("as_deployed") and the variant:
 `sched_batch`, `sched_idle`, `nice=N` and `slice=MS` (a requested EEVDF slice) move every
 thread of the agent to that scheduling once it is ready (threads it starts later inherit it);
-anything else is extra `tracejoin run` arguments. Prints each phase's p50 and p99
+`cflags=FLAGS` compiles its probes with those flags instead of CFLAGS; anything else is extra
+`tracejoin run` arguments. Prints each phase's p50 and p99
 (counted from each request's due time) and, per round, each agent's change against that
 round's no-agent phase; then the medians. The ms-scale server: --path '/sleep?ms=5'
 --rate 5000 --conns 96.
@@ -53,9 +54,12 @@ def phase(port: int, sink: int, mode: str, args: argparse.Namespace) -> dict[str
         return {"p50": r["latency_us"]["p50"], "p99": r["latency_us"]["p99"], "cpu_us": 0.0}
     extra = ["--cpu-budget", "0"]
     scheduling = mode == "variant" and args.variant.split("=")[0] in SCHEDULING
-    if mode == "variant" and not scheduling:
+    cflags = None
+    if mode == "variant" and args.variant.startswith("cflags="):
+        cflags = tuple(shlex.split(args.variant.partition("=")[2]))
+    elif mode == "variant" and not scheduling:
         extra += shlex.split(args.variant)
-    agent = m.AgentRun([port], args.agent_cpu, sink_port=sink, extra_args=extra)
+    agent = m.AgentRun([port], args.agent_cpu, sink_port=sink, extra_args=extra, cflags=cflags)
     agent.start()
     try:
         if scheduling:
@@ -77,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--variant",
         default="sched_batch",
-        help="sched_batch, sched_idle, nice=N, slice=MS (a requested EEVDF slice), or extra "
+        help="sched_batch, sched_idle, nice=N, slice=MS (a requested EEVDF slice), "
+        "cflags='FLAGS' (the probes compiled with other flags than CFLAGS), or extra "
         "`tracejoin run` arguments (one string)",
     )
     ap.add_argument("--path", default="/", help="the Go server's path ('/sleep?ms=5': ms-scale)")

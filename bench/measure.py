@@ -303,6 +303,13 @@ def http2_settled(line: str) -> bool:
     return "http2 on:" in line or "signal http2 is off" in line
 
 
+_WITH_CFLAGS = (
+    "import json, sys; from tracejoin.kernel import probes; "
+    "probes.CFLAGS = tuple(json.loads(sys.argv.pop(1))); "
+    "from tracejoin.commands.cli import main; sys.argv[0] = 'tracejoin'; main()"
+)
+
+
 @dataclass
 class AgentRun:
     """One `tracejoin run` process: start, counters, CPU, memory, stop. Spans go to an OTLP/HTTP
@@ -315,6 +322,9 @@ class AgentRun:
     extra_args: list[str] = field(default_factory=list)
     # --bpf-cache: where the compiled probes are kept (None: "", compile at every start)
     bpf_cache: Path | None = None
+    # the probes compiled with these flags instead of agent/kernel/probes.py's CFLAGS (A/B of
+    # compiler flags, bench.agent_ab --variant cflags=...; None: the agent as it is)
+    cflags: tuple[str, ...] | None = None
     proc: subprocess.Popen[str] | None = None
     startup_s: float = 0.0  # process start -> "ready" log line
     load_s: float = 0.0  # the agent's own figure: compile (or cache read) + load + attach
@@ -336,6 +346,8 @@ class AgentRun:
         (self.metrics_port,) = free_ports(1)
         tracejoin = Path(sys.executable).parent / "tracejoin"
         cmd = [str(tracejoin), "run"]
+        if self.cflags is not None:  # the same CLI, CFLAGS replaced before it imports the probes
+            cmd = [sys.executable, "-c", _WITH_CFLAGS, json.dumps(self.cflags), "run"]
         if self.sink_port is None:
             cmd += ["--spans-file", str(self.spans_file)]
         else:
