@@ -616,7 +616,7 @@ def _cgroup_dirs(
     for line in text.splitlines():
         hid, controllers, path = [*line.split(":", 2), "", ""][:3]
         if controller in controllers.split(","):
-            v1 = (fs / ",".join(controllers.split(",")), path)
+            v1 = (fs / controllers, path)  # where it is mounted: cpu,cpuacct for cpu
         elif hid == "0" and controllers == "":
             v2 = (fs, path)
     chosen = v1 if v1 is not None else v2

@@ -358,8 +358,8 @@ COMPILED_APART = (
     "CUDA_APIS(CUDA_AT_ENTRY)",  # --cuda: the calls without a return probe (bpf/cuda.h)
 )
 # ... and, when HTTP/2's programs compile after ready (http2_after_ready), the request scanner
-# and the notes program too, which takes the place of HTTP/2's in the balance (0.75 and 0.72 s
-# alone, 0.76 s at once: bench.compile_units' "all but HTTP/2's" row, two children)
+# and the notes program too, which take HTTP/2's place in the balance (bench.compile_units'
+# "all but HTTP/2's" rows: 1.24 s in one child, 0.85 s in two at once)
 COMPILED_APART_AFTER_READY = (*COMPILED_APART, "scan_req", "scan_req_steps", "run_notes")
 
 
@@ -532,8 +532,8 @@ class HttpProbes:
         t_obtain = time.monotonic()
         after_ready = self.config.http2_after_ready
         try:
-            # compiled in two child processes at once, or taken from the cache
-            # (agent/kernel/compiled.py)
+            # compiled in child processes (tracejoin run: HTTP/2's after ready), or taken from
+            # the cache (agent/kernel/compiled.py)
             got = compiled.obtain(
                 src,
                 list(cflags),
