@@ -244,7 +244,8 @@ METRICS: tuple[Metric, ...] = (
         "probe_mode",
         "1 when a signal's probes are loaded, 0 when it is off (the log says why); "
         "of the tlb_* series, the one at 1 is the TLB signal in use; http2 is 0 while "
-        "`tracejoin run` verifies its programs after ready.",
+        "`tracejoin run` verifies its programs after ready (and, at a start that compiles, "
+        "compiles them first).",
         "signal",
         values={"signal": PROBE_SIGNALS},
     ),
@@ -261,7 +262,8 @@ METRICS: tuple[Metric, ...] = (
     gauge(
         "probe_load_seconds",
         "Seconds from the start of loading the BPF programs to attached: the compile (or the "
-        "cache read), the verifier, attaching.",
+        "cache read), the verifier, attaching; for `tracejoin run`, of everything but HTTP/2's "
+        "programs (compiled and verified after ready).",
     ),
     gauge(
         "probe_programs_from_cache",

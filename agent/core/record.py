@@ -249,8 +249,9 @@ KERNEL_COUNTER_HELP: dict[str, str] = {
     "entry whose value the kernel does not hold, and the stream lacks the traceparent, "
     ":method or :path it may have been (a span would guess its trace or its name)",
     "h2_not_loaded": "Connections that turned HTTP/2 while the HTTP/2 programs were not loaded "
-    "(the seconds after ready while they are verified, unless --http2-before-ready; or for "
-    "good, when they failed to load): ignored for their whole life, never half-scanned",
+    "(the seconds after ready while they are verified, and at a first start compiled, unless "
+    "--http2-before-ready; or for good, when they failed to load): ignored for their whole "
+    "life, never half-scanned",
     "cuda_unattributed": "Probed CUDA calls by a thread in no open request's work set "
     "(work outside requests, or a worker that polls: no thread link)",
     "cuda_nested": "Probed CUDA calls made beneath another probed call (a runtime call's "
