@@ -101,7 +101,10 @@ def main() -> int:
     (port,) = free_ports(1)
     with tempfile.TemporaryDirectory(prefix="tjprof-") as tmp:
         data = Path(tmp) / "perf.data"
-        with m.go_server(port, SERVER_CPU), m.probes_from(probes.bpf_source_dir(), (port,)):
+        with (
+            m.go_server(port, SERVER_CPU),
+            m.probes_from(m.ProbeSource(probes.bpf_source_dir()), (port,)),
+        ):
             load = threading.Thread(
                 target=m.wrk, args=(port, "/", args.conns, args.seconds + 3, LOAD_CPU, -10)
             )

@@ -490,15 +490,13 @@ class ProbeSource:
 
 
 @contextlib.contextmanager
-def probes_from(source: ProbeSource | Path, ports: tuple[int, ...]) -> Iterator[None]:
+def probes_from(source: ProbeSource, ports: tuple[int, ...]) -> Iterator[None]:
     """The probes compiled from `source`, loaded in this process with a port filter, their
     records read and dropped by a thread; unloaded after. For the tools that compare sources
     or flags in one run (--against, --against-cflags)."""
     from tracejoin.core.metrics import Metrics
     from tracejoin.kernel import probes
 
-    if isinstance(source, Path):
-        source = ProbeSource(source)
     original = probes.bpf_source_dir, probes.CFLAGS
     probes.bpf_source_dir = lambda: source.src  # type: ignore[assignment]
     if source.cflags is not None:
