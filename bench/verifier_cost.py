@@ -29,7 +29,7 @@ _PROG_LOAD, _TRACEPOINT, _RAW_TRACEPOINT, _KPROBE = 5, 5, 17, 2
 
 
 def _kind(name: str) -> int:
-    if name.startswith("raw_tracepoint__") or name == "ws_wake_prog":
+    if name.startswith("raw_tracepoint__") or name in ("ws_wake_prog", "ws_wake_more"):
         return _RAW_TRACEPOINT
     if name.startswith("cuda_"):
         return _KPROBE

@@ -217,12 +217,15 @@ def print_unrelated(ping: dict[bool, list[dict[str, tuple[int, int]]]]) -> None:
     def per_hit(name: str) -> str:
         ns = sum(r.get(name, (0, 0))[0] for r in ping[True])
         hits = sum(r.get(name, (0, 0))[1] for r in ping[True])
+        if not hits:
+            return "no hits (not attached?)"
         return f"{ns / hits:.0f} ns/hit ({hits / len(ping[True]) / 20_000:.2f} hits/trip)"
 
     print("\n0. A process in no work set: pipe ping-pong between two unrelated processes")
     print(f"   BPF ns per round trip: work set off {per_trip(False):.0f}, on {per_trip(True):.0f}")
     print(f"   sched_waking (early exit, one lookup): {per_hit('sched_waking')}")
-    print(f"   sched_wakeup (one lookup): {per_hit('tracepoint__sched__sched_wakeup')}")
+    # raw tracepoints, which the kernel names after their tracepoint (bcc's RAW_TRACEPOINT_PROBE)
+    print(f"   sched_wakeup (one lookup): {per_hit('sched_wakeup')}")
 
 
 def print_cost(runs: dict[bool, list[dict[str, Any]]], conns: int) -> None:

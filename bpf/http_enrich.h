@@ -153,16 +153,11 @@ static __always_inline void run_notes_for(u32 tid)
     struct scratch *s = scratch_map.lookup(&z);
     if (!s || !s->nnotes)
         return;
-    u32 left = 0;
 #pragma unroll 1
     for (int i = 0; i < WS_NOTES; i++) {
         struct ws_note *n = &s->notes[i];
-        if (!n->kind)
+        if (!n->kind || n->tid != tid)
             continue;
-        if (n->tid != tid) {
-            left++;
-            continue;
-        }
         if (n->kind == WS_NOTE_OPEN) {
             struct req_key key = {.sk = n->sk, .seq = n->seq};    /* req_map_seq */
             struct http_record *rec = reqs.lookup(&key);
@@ -176,6 +171,12 @@ static __always_inline void run_notes_for(u32 tid)
 #endif
         n->kind = 0;
     }
+    /* Another thread's notes stay (counted after the loop: a count carried through it would
+     * make the verifier walk each iteration once per value of it) */
+    u32 left = 0;
+#pragma unroll
+    for (int i = 0; i < WS_NOTES; i++)
+        left |= s->notes[i].kind;
     if (!left)
         s->nnotes = 0;
 }

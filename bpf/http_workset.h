@@ -690,12 +690,122 @@ static __always_inline int ws_may_join(struct tstat *t, u64 id, u32 flags, u32 w
     return 1;
 }
 
-/* The current thread wakes task p (or created it). For each open set the waker is in: a wakee
- * outside the set joins it; waking the reader is the reply, and the waker leaves. p's fields are read at offsets the
- * agent took from the running kernel's BTF (TASK_*_OFF), only after the early exit, and only
+/* What one wake decides once and carries from one of the waker's sets to the next. */
+struct ws_wake_state {
+    s32 may_join;               /* -1: not decided yet (decided at the first join) */
+    u32 wakee_pid;
+    char comm[16];
+};
+
+/* One of the waker's open sets, its reference r: a wakee outside the set joins it; waking the
+ * reader is the reply, and the waker leaves. 0: stop, the wakee may join no set of this wake.
+ * p's fields are read at offsets the agent took from the running kernel's BTF (TASK_*_OFF), only
  * those the case needs. */
-static __always_inline int ws_wake(void *p)
+static __always_inline int ws_wake_ref(struct tstat *t, u32 r, void *p, u32 wakee, u64 id,
+                                       u64 now, struct ws_wake_state *s)
 {
+    struct ws_ref *ref = &t->refs[r & (WS_REFS - 1)];
+    struct ws_key k = {.conn_id = ref->conn_id, .seq = ref->seq};
+    u32 my_idx = ref->idx;
+    u32 replied = my_idx & REF_REPLIED;
+    my_idx &= ~REF_REPLIED;
+    if (!k.conn_id)
+        return 1;
+    struct workset *ws = worksets.lookup(&k);
+    if (!ws) {
+        ref_stale(t, r, now);
+        return 1;
+    }
+    int wi = ws_find(ws, wakee);
+    if (wi >= 0 && !ws->m[wi & (WS_MAX - 1)].left) {
+        /* The reply is a wake of the reader: the waker leaves, keeping a reference. A wake of
+         * another member is no reply (lock and GIL hand-offs between helpers are wakes too). A
+         * GIL hand-off to the reader looks like a reply, so a helper that then hands the work
+         * on (wakes a thread outside the set) rejoins below: a ProcessPoolExecutor's feeder
+         * thread gives the GIL back to the handler before it writes the task to the worker
+         * process. */
+        if (!replied && my_idx != 0 && wi == 0) {
+            ws_end(ws, &k, my_idx, t, now);
+            ref->conn_id = k.conn_id;
+            ref->seq = k.seq;
+            ref->idx = my_idx | REF_REPLIED;
+            t->nreplied++;
+            u32 slot = ws->m[my_idx & (WS_MAX - 1)].slot;
+            if (slot < WS_SLOTS)
+                bpf_get_current_comm(&ws->slots[slot & (WS_SLOTS - 1)].comm,
+                                     sizeof(ws->slots[0].comm));
+        }
+        return 1;
+    }
+    if (s->may_join < 0) {
+        /* A thread serving a request it read works for that request: a wake from another
+         * request's member (a lock or GIL hand-off between two handlers, a proxy's upstream
+         * call reaching a server traced on its own) does not make it this one's helper. */
+        struct tstat *known = threads.lookup(&wakee);
+        u32 flags = kernel_u32((u64)p + TASK_FLAGS_OFF);
+        s->wakee_pid = kernel_u32((u64)p + TASK_TGID_OFF);
+        s->may_join = !(known && known->reading) && ws_may_join(t, id, flags, s->wakee_pid);
+        if (!s->may_join)
+            return 0;
+        bpf_probe_read_kernel(&s->comm, sizeof(s->comm), p + TASK_COMM_OFF);
+    }
+    if (!s->may_join)
+        return 0;
+    if (replied)
+        ws_begin(ws, &k, my_idx, t, now);   /* it hands the work on: not a reply after all */
+    struct tstat *w = thread_for(wakee, 0, now);
+    if (!w)
+        return 1;
+    w->tgid = s->wakee_pid;
+    if (wi >= 0)
+        ws_begin(ws, &k, wi, w, now);       /* a member that had left is handed more */
+    else
+        ws_add(ws, &k, wakee, w, s->comm, now);
+    return 1;
+}
+
+/* The rest of a wake, after the waker's first reference: one tail call of ws_wake_more per
+ * further reference that names a set, with the wake's state in a per-CPU slot. One reference
+ * per program, so the verifier walks the step twice (ws_wake_prog's and ws_wake_more's), not
+ * once per reference with every state the earlier ones can leave (bench.verifier_cost). */
+struct ws_wake_cont {
+    u64 task;                   /* the wakee: the slot is this wake's, and is used once */
+    u64 now;
+    u32 waker;
+    u32 r;                      /* the reference ws_wake_more takes */
+    struct ws_wake_state s;
+};
+BPF_PERCPU_ARRAY(ws_wake_conts, struct ws_wake_cont, 1);
+BPF_PROG_ARRAY(ws_progs, 2);    /* [0]: ws_wake_prog, [1]: ws_wake_more, loaded by user space */
+
+/* Hand the wake on to ws_wake_more for t's next reference after r that names a set, if any. */
+static __always_inline int ws_wake_on(struct bpf_raw_tracepoint_args *ctx, struct tstat *t,
+                                      u32 r, u32 me, u64 now, struct ws_wake_state *s)
+{
+    u32 next = WS_REFS;
+#pragma unroll
+    for (u32 j = WS_REFS - 1; j > 0; j--)
+        if (j > r && t->refs[j].conn_id)
+            next = j;
+    if (next >= WS_REFS)
+        return 0;
+    int z = 0;
+    struct ws_wake_cont *c = ws_wake_conts.lookup(&z);
+    if (!c)
+        return 0;
+    c->task = ctx->args[0];
+    c->now = now;
+    c->waker = me;
+    c->r = next;
+    c->s = *s;
+    ws_progs.call(ctx, 1);
+    return 0;
+}
+
+/* The current thread wakes task p (or created it): the waker's first reference. */
+int ws_wake_prog(struct bpf_raw_tracepoint_args *ctx)
+{
+    void *p = (void *)ctx->args[0];
     u64 id = bpf_get_current_pid_tgid();
     u32 me = (u32)id;
     struct tstat *t = threads.lookup(&me);
@@ -708,77 +818,37 @@ static __always_inline int ws_wake(void *p)
         return 0;
     t->tgid = id >> 32;
     u64 now = bpf_ktime_get_ns();
-    int may_join = -1;          /* decided at the first join, once per wake */
-    u32 wakee_pid = 0;
-    char comm[16] = {};
-#pragma unroll 1
-    for (int r = 0; r < WS_REFS; r++) {
-        struct ws_key k = {.conn_id = t->refs[r].conn_id, .seq = t->refs[r].seq};
-        u32 my_idx = t->refs[r].idx;
-        u32 replied = my_idx & REF_REPLIED;
-        my_idx &= ~REF_REPLIED;
-        if (!k.conn_id)
-            continue;
-        struct workset *ws = worksets.lookup(&k);
-        if (!ws) {
-            ref_stale(t, r, now);
-            continue;
-        }
-        int wi = ws_find(ws, wakee);
-        if (wi >= 0 && !ws->m[wi & (WS_MAX - 1)].left) {
-            /* The reply is a wake of the reader: the waker leaves, keeping a reference. A wake
-             * of another member is no reply (lock and GIL hand-offs between helpers are wakes
-             * too). A GIL hand-off to the reader looks like a reply, so a helper that then hands
-             * the work on (wakes a thread outside the set) rejoins below: a ProcessPoolExecutor's
-             * feeder thread gives the GIL back to the handler before it writes the task to the
-             * worker process. */
-            if (!replied && my_idx != 0 && wi == 0) {
-                ws_end(ws, &k, my_idx, t, now);
-                t->refs[r].conn_id = k.conn_id;
-                t->refs[r].seq = k.seq;
-                t->refs[r].idx = my_idx | REF_REPLIED;
-                t->nreplied++;
-                u32 slot = ws->m[my_idx & (WS_MAX - 1)].slot;
-                if (slot < WS_SLOTS)
-                    bpf_get_current_comm(&ws->slots[slot & (WS_SLOTS - 1)].comm,
-                                         sizeof(ws->slots[0].comm));
-            }
-            continue;
-        }
-        if (may_join < 0) {
-            /* A thread serving a request it read works for that request: a wake from another
-             * request's member (a lock or GIL hand-off between two handlers, a proxy's upstream
-             * call reaching a server traced on its own) does not make it this one's helper. */
-            struct tstat *known = threads.lookup(&wakee);
-            u32 flags = kernel_u32((u64)p + TASK_FLAGS_OFF);
-            wakee_pid = kernel_u32((u64)p + TASK_TGID_OFF);
-            may_join = !(known && known->reading) && ws_may_join(t, id, flags, wakee_pid);
-            if (!may_join)
-                break;
-            bpf_probe_read_kernel(&comm, sizeof(comm), p + TASK_COMM_OFF);
-        }
-        if (!may_join)
-            break;
-        if (replied)
-            ws_begin(ws, &k, my_idx, t, now);   /* it hands the work on: not a reply after all */
-        struct tstat *w = thread_for(wakee, 0, now);
-        if (!w)
-            continue;
-        w->tgid = wakee_pid;
-        if (wi >= 0)
-            ws_begin(ws, &k, wi, w, now);   /* a member that had left is handed more */
-        else
-            ws_add(ws, &k, wakee, w, comm, now);
-    }
-    return 0;
+    struct ws_wake_state s = {.may_join = -1};
+    if (!ws_wake_ref(t, 0, p, wakee, id, now, &s))
+        return 0;
+    return ws_wake_on(ctx, t, 0, me, now, &s);
+}
+
+/* The same wake, at the waker's reference the continuation names. */
+int ws_wake_more(struct bpf_raw_tracepoint_args *ctx)
+{
+    void *p = (void *)ctx->args[0];
+    u64 id = bpf_get_current_pid_tgid();
+    u32 me = (u32)id;
+    int z = 0;
+    struct ws_wake_cont *c = ws_wake_conts.lookup(&z);
+    if (!c || c->task != (u64)p || c->waker != me)
+        return 0;
+    c->task = 0;                /* taken: a chain cut short leaves nothing for a later wake */
+    u32 r = c->r;
+    struct tstat *t = threads.lookup(&me);
+    if (!t || r == 0 || r >= WS_REFS)
+        return 0;
+    u32 wakee = kernel_u32((u64)p + TASK_PID_OFF);
+    if (!ws_wake_ref(t, r, p, wakee, id, c->now, &c->s))
+        return 0;
+    return ws_wake_on(ctx, t, r, me, c->now, &c->s);
 }
 
 /* Raw tracepoints: their argument is the woken (or new) task itself, which the flags and process
- * are read from; sched_waking fires in the waker's context, wake_up_new_task in the creator's. */
-/* Both raw tracepoints exit early for a waker in no open work set (one `threads` lookup), and
- * tail-call the one program that does the rest (verified once, not once per tracepoint). */
-BPF_PROG_ARRAY(ws_progs, 1);    /* [0]: ws_wake_prog, loaded by user space */
-
+ * are read from; sched_waking fires in the waker's context, wake_up_new_task in the creator's.
+ * Both exit early for a waker in no open work set (one `threads` lookup), and tail-call the
+ * program that does the rest (verified once, not once per tracepoint). */
 static __always_inline int ws_wake_entry(struct bpf_raw_tracepoint_args *ctx)
 {
     struct tstat *t = thread_of((u32)bpf_get_current_pid_tgid());
@@ -786,8 +856,6 @@ static __always_inline int ws_wake_entry(struct bpf_raw_tracepoint_args *ctx)
         ws_progs.call(ctx, 0);
     return 0;
 }
-
-int ws_wake_prog(struct bpf_raw_tracepoint_args *ctx) { return ws_wake((void *)ctx->args[0]); }
 
 RAW_TRACEPOINT_PROBE(sched_waking) { return ws_wake_entry(ctx); }
 RAW_TRACEPOINT_PROBE(sched_wakeup_new) { return ws_wake_entry(ctx); }

@@ -50,7 +50,7 @@ OUR_PROGRAM = re.compile(
     r"^(tracepoint__\w*|[a-z0-9]+__\w+|scan_req|scan_resp|on_minflt|on_majflt"
     r"|raw_tracepoint__\w+|sched_\w+|tlb_flush|irq_work_(?:entry|exit)|run_notes"
     r"|softirq_(?:entry|exit)|irq_handler_\w+|hrtimer_expire_\w+|sk_data_ready|tcp_\w+"
-    r"|ws_wake_prog|h2_end|h2_scan_rd|h2_scan_wr)$"
+    r"|ws_wake_prog|ws_wake_more|h2_end|h2_scan_rd|h2_scan_wr)$"
 )
 
 

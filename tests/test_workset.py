@@ -201,6 +201,31 @@ def test_event_loop_work_shared_by_open_requests_is_never_their_own(agent):
         assert appt >= shared / (a["tracejoin.work.shared_with_max"] + 1) - 1000, a
 
 
+def test_event_loop_hands_work_on_for_every_request_open_on_it(agent):
+    """The loop thread is in two open work sets (bpf/http_workset.h: one program per set it is
+    in, ws_wake_prog then ws_wake_more) when it hands one request's work to its executor: the
+    worker joins both sets, and its faults are shared, never the idle request's own."""
+    port = agent.take_port()
+    out: dict[str, Span] = {}
+
+    def one(name: str, path: str) -> None:
+        out[name] = get(agent, port, path)[0]
+
+    with server("aiohttp", port):
+        get(agent, port, "/aexec?n=1")  # the executor creates its worker thread on first use
+        idle = threading.Thread(target=one, args=("idle", "/asleep?ms=300"))
+        idle.start()
+        time.sleep(0.1)  # the idle request is open on the loop (its set is the loop's first)
+        one("exec", f"/aexec?n={N}")
+        idle.join()
+    for name in ("idle", "exec"):
+        a = out[name].attributes
+        assert a["tracejoin.work.threads"] >= 2, (name, a)
+        assert a["tracejoin.work.shared_with_max"] >= 1, (name, a)
+        assert a["tracejoin.work.shared.mm.minor_faults"] >= MOST * N, (name, a)
+    assert out["idle"].attributes["tracejoin.mm.minor_faults"] < 0.1 * N, out["idle"].attributes
+
+
 def test_go_channel_hand_off_to_a_worker_goroutine(agent, capsys):
     """Reports what a goroutine hand-off gives (docs/attributes.md, "Goroutines"): Go runs the
     woken goroutine on the reading OS thread when it can (runnext), and then its CPU time is the

@@ -100,16 +100,20 @@ def _run(
     # Compiling takes seconds and a C call cannot be interrupted: start in a thread so a
     # SIGTERM during start-up is still answered within the bound.
     start_error: list[BaseException] = []
+    started = threading.Event()
 
     def start() -> None:
         try:
             agent.start()
         except BaseException as exc:
             start_error.append(exc)
+        finally:
+            started.set()
 
     starter = threading.Thread(target=start, name="tracejoin-start", daemon=True)
     starter.start()
-    while starter.is_alive() and not stop.event.wait(0.1):
+    # ready the moment start() returns; a signal is seen within 0.1 s
+    while not started.wait(0.1) and not stop.event.is_set():
         pass
 
     if not stop.event.is_set():
@@ -130,7 +134,6 @@ def _run(
         metrics.set("ready", 1)
         if health is not None:
             health.loaded = True
-        settle_gc()
         log.info(
             "ready: probes loaded in %.1fs; signals %s; TLB %s; GPU %s",
             status.load_seconds,
@@ -138,6 +141,7 @@ def _run(
             status.tlb_mode,
             agent.gpu_text,
         )
+        settle_gc()
         while not stop.event.wait(1.0):
             try:
                 agent.tick()

@@ -354,6 +354,7 @@ def run_concurrently(calls: Sequence[Callable[[], T]], workers: int, name: str) 
 # the whole's, plus what each pays to start (python -m bench.compile_units).
 COMPILED_APART = (
     "ws_wake_prog",
+    "ws_wake_more",
     "tracepoint__sock__inet_sock_set_state",
     "CUDA_APIS(CUDA_AT_ENTRY)",  # --cuda: the calls without a return probe (bpf/cuda.h)
 )
@@ -570,6 +571,7 @@ class HttpProbes:
         ]
         if "WITH_WORKSET" in knobs:  # the work set's wake handler, behind its raw tracepoints
             tail_calls.append((b"ws_progs", 0, "ws_wake_prog", BPF.RAW_TRACEPOINT))
+            tail_calls.append((b"ws_progs", 1, "ws_wake_more", BPF.RAW_TRACEPOINT))
         try:
             # Everything HTTP/1.x needs is verified at once on every CPU, the largest first:
             # the verifier runs in the loading thread, so the wall time approaches the

@@ -19,7 +19,8 @@ pages, the handler waits), /procpool?n=N (the same in a ProcessPoolExecutor work
 /fanout?k=K&n=N (K pool threads touch N pages each, the handler waits for all), /bg?n=N&ms=M
 (wakes a background thread that sleeps M ms, then touches N pages; the handler does not wait).
 aiohttp only: /apages?n=N&chunks=C (touch N pages in C chunks on the loop, yielding 5 ms between
-chunks), /asleep?ms=N (await a sleep: open, doing nothing).
+chunks), /asleep?ms=N (await a sleep: open, doing nothing), /aexec?n=N (the loop's default
+executor, a thread pool, touches N pages; the handler awaits it).
 Prints "ready" on stdout once listening.
 """
 
@@ -219,6 +220,10 @@ def serve_aiohttp(port: int) -> None:
             return web.Response(body=b"ok\n")
         if request.path == "/asleep":
             await asyncio.sleep(int(q.get("ms", "0")) / 1000)
+            return web.Response(body=b"ok\n")
+        if request.path == "/aexec":
+            n = int(q.get("n", "0"))
+            await asyncio.get_running_loop().run_in_executor(None, touch_pages, n)
             return web.Response(body=b"ok\n")
         code, body = handle(str(request.rel_url))
         return web.Response(status=code, body=body)
