@@ -360,25 +360,6 @@ TRACEPOINT_PROBE(tcp, tcp_destroy_sock)
 }
 
 #ifdef WITH_TUPLE_AT_READ
-/* Fires inside every TCP read that copied data, before sock_recv_length, with the socket: a
- * connection older than the agent, or evicted from `conns`, gets its tuple (and the port
- * filter) here rather than from /proc. Only a read the scanners would read, by a thread the
- * pid/comm filters let through, creates state. Returns the state whose tuple to fill, or 0. */
-static __always_inline struct conn *wants_tuple(u64 sk)
-{
-    struct conn *c = conns.lookup(&sk);
-    if (c)
-        return (c->flags & CONN_TUPLE) ? 0 : c;
-    struct syscall_io io;
-    if (syscall_io(&io) != DIR_RD)
-        return 0;
-    struct conn fresh = {};
-    fresh.conn_id = new_conn_id();
-    fresh.rs.state = P_STATUS;
-    conns.update(&sk, &fresh);
-    return conns.lookup(&sk);
-}
-
 static __always_inline void tuple_filled(struct conn *c)
 {
     c->flags |= CONN_TUPLE;
@@ -390,15 +371,12 @@ static __always_inline void tuple_filled(struct conn *c)
 }
 
 #ifdef SK_FAMILY_OFF
-/* A raw tracepoint, TP_PROTO(struct sock *sk): the tuple is read from the socket at the
- * offsets the kernel's BTF gave (struct sock_common, at the start of struct sock), only when
- * it is needed, instead of a perf trace record filled at every read on the host. */
-RAW_TRACEPOINT_PROBE(tcp_rcv_space_adjust)
+/* A connection first met at a read (older than the agent, or evicted from `conns`): its tuple,
+ * and the port filter, read from the socket at the offsets the kernel's BTF gave (struct
+ * sock_common, at the start of struct sock). sock_recv_length calls it for the state it makes:
+ * no program runs at every TCP read of the host for the few connections that need it. */
+static __always_inline void sk_tuple(u64 sk, struct conn *c)
 {
-    u64 sk = ctx->args[0];
-    struct conn *c = wants_tuple(sk);
-    if (!c)
-        return 0;
     u16 family = 0, dport = 0;
     bpf_probe_read_kernel(&family, sizeof(family), (void *)(sk + SK_FAMILY_OFF));
     bpf_probe_read_kernel(&c->lport, sizeof(c->lport), (void *)(sk + SK_NUM_OFF));  /* host order */
@@ -413,14 +391,29 @@ RAW_TRACEPOINT_PROBE(tcp_rcv_space_adjust)
         bpf_probe_read_kernel(c->raddr, 16, (void *)(sk + SK_V6_DADDR_OFF));
     }
     tuple_filled(c);
-    return 0;
 }
 #else
+/* Without the offsets: tcp_rcv_space_adjust, a classic tracepoint whose record carries the
+ * tuple, fires inside every TCP read that copied data, before sock_recv_length. Only a read
+ * the scanners would read, by a thread the pid/comm filters let through, creates state. */
 TRACEPOINT_PROBE(tcp, tcp_rcv_space_adjust)
 {
-    struct conn *c = wants_tuple((u64)args->skaddr);
-    if (!c)
+    u64 sk = (u64)args->skaddr;
+    struct conn *c = conns.lookup(&sk);
+    if (c && (c->flags & CONN_TUPLE))
         return 0;
+    if (!c) {
+        struct syscall_io io;
+        if (syscall_io(&io) != DIR_RD)
+            return 0;
+        struct conn fresh = {};
+        fresh.conn_id = new_conn_id();
+        fresh.rs.state = P_STATUS;
+        conns.update(&sk, &fresh);
+        c = conns.lookup(&sk);
+        if (!c)
+            return 0;
+    }
     c->family = args->family;
     c->lport = args->sport;
     c->rport = args->dport;
@@ -482,14 +475,18 @@ TRACEPOINT_PROBE(sock, sock_recv_length)
     if (syscall_io(&io) != DIR_RD)
         return 0;
     if (!c) {
-        /* A connection from before we started (or evicted): track it without its tuple;
-         * user space resolves the tuple from the fd. */
+        /* A connection from before we started (or evicted): its tuple from the socket
+         * (sk_tuple; classic: tcp_rcv_space_adjust made the state already), or, without the
+         * tuple at read, none: user space resolves it from the fd. */
         struct conn fresh = {};
         fresh.conn_id = new_conn_id();
         fresh.rs.state = P_STATUS;
+#if defined(WITH_TUPLE_AT_READ) && defined(SK_FAMILY_OFF)
+        sk_tuple(sk, &fresh);
+#endif
 #if defined(FILTER_PORT) && !defined(WITH_TUPLE_AT_READ)
-        /* Its port is unknown here (no tcp_rcv_space_adjust), so the port filter cannot
-         * admit it: a filter must never let another port through (docs/probes.md). */
+        /* Its port is unknown here (no tuple at read), so the port filter cannot admit it: a
+         * filter must never let another port through (docs/probes.md). */
         fresh.flags = CONN_IGNORED;
 #endif
         conns.update(&sk, &fresh);

@@ -105,6 +105,9 @@ class OptionalSignal:
 
 OPTIONAL_SIGNALS: tuple[OptionalSignal, ...] = (
     OptionalSignal("recvq", "WITH_RECVQ", ("sock:sk_data_ready",), "TCP receive-queue wait"),
+    # Planned on its classic tracepoint, which runs only without the socket's offsets in the
+    # kernel's BTF; with them sock_recv_length reads the tuple (bpf/http_conn.h sk_tuple), and
+    # disabling the tracepoint still turns the signal off.
     OptionalSignal(
         "tuple_at_read",
         "WITH_TUPLE_AT_READ",
@@ -151,8 +154,8 @@ OPTIONAL_TRACEPOINTS: tuple[str, ...] = tuple(
     tp for sig in OPTIONAL_SIGNALS for tp in sig.tracepoints
 )
 
-# struct sock_common members tcp_rcv_space_adjust reads as a raw tracepoint (bpf/http_conn.h),
-# by knob; sock_common is struct sock's __sk_common
+# struct sock_common members sock_recv_length reads for a connection first met at a read
+# (bpf/http_conn.h sk_tuple), by knob; sock_common is struct sock's __sk_common
 SOCK_COMMON_MEMBERS = {
     "skc_family": "SK_FAMILY_OFF",
     "skc_num": "SK_NUM_OFF",
@@ -207,8 +210,8 @@ TASK_MEMBERS = {
 }
 # Every struct whose offsets the planner may pass to the programs, read in one pass over the
 # kernel's BTF (_kernel_structs): the work set's and the scheduler's task_struct members, and
-# the raw socket tracepoints' (tuple_at_read: sock_common at struct sock's __sk_common;
-# tcp_stats: tcp_sock)
+# the socket programs' (tuple_at_read: sock_common at struct sock's __sk_common, read by
+# sock_recv_length; tcp_stats: tcp_sock, read by the raw tcp_probe)
 KERNEL_STRUCTS = {
     "task_struct": tuple(TASK_MEMBERS),
     "sock": ("__sk_common",),
@@ -929,10 +932,11 @@ def _sched_knobs(
 def _socket_knobs(
     knobs: dict[str, int | None], signal: str, structs: dict[str, dict[str, int] | BtfError]
 ) -> None:
-    """The socket offsets that make `signal`'s per-packet program a raw tracepoint (it reads
-    the socket only for our connections, and no perf trace record is filled for the others):
-    struct sock_common's tuple for tuple_at_read, tcp_sock's RTT and sequence numbers for
-    tcp_stats. Without BTF (or a member) it stays a classic tracepoint that sees the same."""
+    """The socket offsets that spare `signal` a classic tracepoint's perf trace record at every
+    packet or read of the host: struct sock_common's tuple for tuple_at_read (sock_recv_length
+    reads it for a connection it first meets; no program at tcp_rcv_space_adjust), tcp_sock's
+    RTT and sequence numbers for tcp_stats (tcp_probe a raw tracepoint that reads the socket
+    only for our connections). Without BTF (or a member) a classic tracepoint sees the same."""
     if signal == "tuple_at_read":
         sock, common = structs["sock"], structs["sock_common"]
         if isinstance(sock, dict) and isinstance(common, dict):
