@@ -531,6 +531,11 @@ TRACEPOINT_PROBE(sock, sock_send_length)
     if (!s)
         return 0;
     c->last_write_ns = s->now;
+    if (!h2 && c->rs.state == P_STATUS && c->rs.sub == 0)
+        c->unacked_max = 0;     /* a response begins with this write: its own most in flight */
+#if defined(WITH_TCPSTATS) && defined(TCP_SRTT_OFF)
+    tcp_sample_at_write(sk, c);
+#endif
 #ifdef WITH_WORKSET
     if (!h2)
         ws_checkpoint(sk, c, s->now);   /* if this write ends the response, its record says so */

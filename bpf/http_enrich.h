@@ -387,21 +387,17 @@ static __always_inline void tcp_sample(struct conn *c, u32 srtt_us, u32 snd_nxt,
 }
 
 #ifdef TCP_SRTT_OFF
-/* Every TCP segment received on the host: a raw tracepoint, TP_PROTO(struct sock *sk,
- * struct sk_buff *skb), so the segments of connections that are not ours fill no perf trace
- * record; tcp_sock's fields are read, at the offsets the kernel's BTF gave, only for ours. */
-RAW_TRACEPOINT_PROBE(tcp_probe)
+/* At each write of a served connection (sock_send_length, after the write queued its bytes):
+ * tcp_sock's fields, at the offsets the kernel's BTF gave. No program runs at the host's
+ * segments; srtt_us is kept <<3, as the classic tracepoint's srtt undoes. */
+static __always_inline void tcp_sample_at_write(u64 sk, struct conn *c)
 {
-    u64 sk = ctx->args[0];
-    struct conn *c = conns.lookup(&sk);
-    /* an ignored connection (a client's, another port's) makes no record: no reads for it;
-     * srtt_us is kept <<3, as the classic tracepoint's srtt undoes */
-    if (c && !(c->flags & CONN_IGNORED))
-        tcp_sample(c, kernel_u32(sk + TCP_SRTT_OFF) >> 3, kernel_u32(sk + TCP_SND_NXT_OFF),
-                   kernel_u32(sk + TCP_SND_UNA_OFF));
-    return 0;
+    tcp_sample(c, kernel_u32(sk + TCP_SRTT_OFF) >> 3, kernel_u32(sk + TCP_SND_NXT_OFF),
+               kernel_u32(sk + TCP_SND_UNA_OFF));
 }
 #else
+/* Without the offsets: every TCP segment received on the host, with tcp_sock's fields in its
+ * perf trace record. */
 TRACEPOINT_PROBE(tcp, tcp_probe)
 {
     u64 sk = (u64)args->skaddr;

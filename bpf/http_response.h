@@ -204,10 +204,8 @@ int scan_resp(void *ctx)
     if (!rec)
         return 0;
     if (c->rs.state == P_STATUS && c->rs.sub == 0) {
-        if (!rec->resp_start_ns) {
-            rec->resp_start_ns = s->now;
-            c->unacked_max = 0;
-        }
+        if (!rec->resp_start_ns)
+            rec->resp_start_ns = s->now;    /* (unacked_max restarted in sock_send_length) */
         /* The server answers a request whose headers we have not seen end: it framed that
          * request differently (an error it answers early, or bytes we cannot see). */
         u8 rq = c->rq.state;

@@ -296,11 +296,11 @@ def test_malformed_type_sections_raise_btf_error(
 @pytest.mark.privileged
 @pytest.mark.parametrize("btf", [True, False], ids=["raw tracepoints", "no BTF: classic"])
 def test_socket_programs_read_the_tuple_and_rtt_with_or_without_btf(require_root, monkeypatch, btf):
-    """With the BTF's offsets sock_recv_length reads the tuple from the socket (nothing at
-    tcp_rcv_space_adjust) and tcp_probe is a raw tracepoint; without them both are classic
-    tracepoints reading the perf trace record: either way a keep-alive connection opened before
-    the agent started gets its 4-tuple (and the port filter) from the kernel, and its request
-    an RTT. /proc is taken away, so the tuple can only be the kernel's."""
+    """With the BTF's offsets sock_recv_length reads the tuple from the socket and
+    sock_send_length the RTT (nothing at tcp_rcv_space_adjust or tcp_probe); without them both
+    are classic tracepoints reading the perf trace record: either way a keep-alive connection
+    opened before the agent started gets its 4-tuple (and the port filter) from the kernel, and
+    its request an RTT. /proc is taken away, so the tuple can only be the kernel's."""
     from harness import Agent, free_ports, server
     from hostile import Conn, get_bytes, new_sent
     from tracejoin.enrich import correlate
@@ -319,10 +319,9 @@ def test_socket_programs_read_the_tuple_and_rtt_with_or_without_btf(require_root
         agent.start()
         try:
             bpf = agent.pipeline.source._bpf
-            assert b"tcp_rcv_space_adjust" not in bpf.raw_tracepoint_fds
-            assert (b"tcp:tcp_rcv_space_adjust" in bpf.tracepoint_fds) is not btf
-            assert (b"tcp_probe" in bpf.raw_tracepoint_fds) is btf
-            assert (b"tcp:tcp_probe" in bpf.tracepoint_fds) is not btf
+            for tp in ("tcp_rcv_space_adjust", "tcp_probe"):
+                assert tp.encode() not in bpf.raw_tracepoint_fds
+                assert (f"tcp:{tp}".encode() in bpf.tracepoint_fds) is not btf
             s = new_sent("/early")
             assert early.request(get_bytes(s)) == 200
             (span,) = agent.server_spans(s.trace_id)

@@ -114,6 +114,7 @@ OPTIONAL_SIGNALS: tuple[OptionalSignal, ...] = (
         ("tcp:tcp_rcv_space_adjust",),
         "4-tuple and port filter for connections older than the agent",
     ),
+    # tcp:tcp_probe likewise runs only without tcp_sock's offsets (sock_send_length reads them)
     OptionalSignal(
         "tcp_stats",
         "WITH_TCPSTATS",
@@ -165,7 +166,8 @@ SOCK_COMMON_MEMBERS = {
     "skc_v6_rcv_saddr": "SK_V6_RCV_SADDR_OFF",
     "skc_v6_daddr": "SK_V6_DADDR_OFF",
 }
-# struct tcp_sock members tcp_probe reads as a raw tracepoint (bpf/http_enrich.h), by knob
+# struct tcp_sock members sock_send_length reads at a served connection's writes
+# (bpf/http_enrich.h tcp_sample_at_write), by knob
 TCP_SOCK_MEMBERS = {
     "srtt_us": "TCP_SRTT_OFF",
     "snd_nxt": "TCP_SND_NXT_OFF",
@@ -211,7 +213,7 @@ TASK_MEMBERS = {
 # Every struct whose offsets the planner may pass to the programs, read in one pass over the
 # kernel's BTF (_kernel_structs): the work set's and the scheduler's task_struct members, and
 # the socket programs' (tuple_at_read: sock_common at struct sock's __sk_common, read by
-# sock_recv_length; tcp_stats: tcp_sock, read by the raw tcp_probe)
+# sock_recv_length; tcp_stats: tcp_sock, read by sock_send_length)
 KERNEL_STRUCTS = {
     "task_struct": tuple(TASK_MEMBERS),
     "sock": ("__sk_common",),
@@ -935,8 +937,9 @@ def _socket_knobs(
     """The socket offsets that spare `signal` a classic tracepoint's perf trace record at every
     packet or read of the host: struct sock_common's tuple for tuple_at_read (sock_recv_length
     reads it for a connection it first meets; no program at tcp_rcv_space_adjust), tcp_sock's
-    RTT and sequence numbers for tcp_stats (tcp_probe a raw tracepoint that reads the socket
-    only for our connections). Without BTF (or a member) a classic tracepoint sees the same."""
+    RTT and sequence numbers for tcp_stats (sock_send_length reads them at a served
+    connection's writes; no program at tcp_probe). Without BTF (or a member) a classic
+    tracepoint sees them in its trace record."""
     if signal == "tuple_at_read":
         sock, common = structs["sock"], structs["sock_common"]
         if isinstance(sock, dict) and isinstance(common, dict):
