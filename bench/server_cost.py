@@ -9,7 +9,7 @@ per request) and this process on CPU0. Each round measures the server's CPU time
 probes loaded in this process (port filter on the server; records read and dropped here), for
 this tree, each --against DIR (another checkout's bpf/) and each --against-cflags FLAGS (this
 tree's sources compiled with other flags), interleaved, each round starting at the next variant
-(a fixed order read the first after nothing ~0.3 µs dearer). The BPF that runs in the server's
+(no variant is always the one measured first after nothing). The BPF that runs in the server's
 syscalls, and in the softirqs that land on its CPU, is charged to it: this is the kernel side
 of the µs server's throughput at saturation (bench.run's probes-only row), at a rate where
 neither CPU is saturated, so the figure is the cost and not a queue. Prints the medians and
