@@ -223,8 +223,12 @@ KERNEL_STRUCTS = {
 # -disable-llvm-passes: clang emits the module unoptimised and BCC's own -O3 pass pipeline
 # (BPFModule::run_pass_manager, always run before code generation) optimises it once; with
 # clang's -O2 pipeline as well, the module went through the optimiser twice, ~30 % of a compile
-# (bench.compile_units; docs/performance.md, "A first start's compile")
-CFLAGS = ("-Wno-macro-redefined", "-Xclang", "-disable-llvm-passes")
+# (bench.compile_units; docs/performance.md, "A first start's compile"). -g0: no debug info,
+# which BCC makes by default for its own BTF and line info; the agent loads the programs with a
+# BTF of its own (compiled.ModuleBtf) and never reads BCC's, and the code is the same without it
+# (only the map-fd placeholders BCC numbers differ), for ~25 % of a compile ("Fewer states to
+# verify"). A map type that needs BTF to be created (local storage) would need it back.
+CFLAGS = ("-Wno-macro-redefined", "-Xclang", "-disable-llvm-passes", "-g0")
 # bpf_loop callbacks of bpf/http.c, named in C by LOOP_CB(fn) and linked by the loader
 LOOP_CALLBACKS = (
     "scan_req_steps",
