@@ -226,7 +226,7 @@ KERNEL_STRUCTS = {
 # (bench.compile_units; docs/performance.md, "A first start's compile"). -g0: no debug info,
 # which BCC makes by default for its own BTF and line info; the agent loads the programs with a
 # BTF of its own (compiled.ModuleBtf) and never reads BCC's, and the code is the same without it
-# (only the map-fd placeholders BCC numbers differ), for ~25 % of a compile ("Fewer states to
+# (only the map-fd placeholders BCC numbers differ), for ~22 % of a compile ("Fewer states to
 # verify"). A map type that needs BTF to be created (local storage) would need it back.
 CFLAGS = ("-Wno-macro-redefined", "-Xclang", "-disable-llvm-passes", "-g0")
 # bpf_loop callbacks of bpf/http.c, named in C by LOOP_CB(fn) and linked by the loader
